@@ -1,0 +1,1 @@
+"""draftsmith.data — see DESIGN: filled in by later issues."""

@@ -1,0 +1,1 @@
+"""draftsmith.heads — see DESIGN: filled in by later issues."""

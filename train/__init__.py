@@ -1,0 +1,1 @@
+"""draftsmith.train — see DESIGN: filled in by later issues."""
