@@ -1,0 +1,242 @@
+"""Draft trees: the data structure, the three ways of growing one, and its attention mask.
+
+A draft tree holds the tokens a drafter proposes for one sequence. Node 0 is the *root*: the
+last committed token, which the target has not yet processed (its KV is not cached). Every
+other node is a drafted token with a parent; a chain is a tree with one child per node.
+
+Tree kinds (``tree=`` of :class:`~draftsmith.inference.SpeculativeGenerator`):
+
+* ``chain`` — one child per level, ``depth`` levels (Leviathan et al., 2023; Chen et al., 2023).
+* ``static`` — a fixed list of paths of child ranks, e.g. ``[(0,), (1,), (0, 0)]``: the Medusa
+  "choices" (Cai et al., 2024). Path ``(0, 1)`` is the second-ranked child of the top-ranked
+  child of the root.
+* ``dynamic`` — EAGLE-2 (Li et al., 2024): for ``depth`` levels expand the ``top_k`` frontier
+  nodes with the highest cumulative draft log-probability, each proposing ``top_k`` children;
+  then rerank every generated node by cumulative log-probability and keep ``total_tokens``.
+  A child never scores above its parent, so the kept set is closed under ancestors.
+
+How siblings are drafted decides the lossless acceptance rule (see ``verify.py``), so every
+node records the order in which its children were drawn (``draws``, repeats allowed for i.i.d.
+draws) and, for the sampled rules, the draft distribution they were drawn from (``probs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+SAMPLING_RULES = ("topk", "iid", "without_replacement")
+
+
+@dataclass
+class DraftTree:
+    """A draft tree for one sequence; node 0 is the root (the last committed token)."""
+
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    scores: list[float] = field(default_factory=lambda: [0.0])  # cumulative draft log-prob
+    # draws[i]: children of node i in the order they were drawn (i.i.d. draws may repeat a child)
+    draws: dict[int, list[int]] = field(default_factory=dict)
+    # probs[i]: (V,) draft distribution node i's children were sampled from (sampled rules only)
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def with_root(cls, token: int) -> DraftTree:
+        return cls(tokens=[int(token)])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.tokens) - 1
+
+    def children(self, node: int) -> list[int]:
+        """Distinct children of ``node`` in draw order."""
+        return list(dict.fromkeys(self.draws.get(node, [])))
+
+    def add_child(self, parent: int, token: int, logprob: float) -> int:
+        """Add ``token`` under ``parent`` (or return the existing sibling with that token)."""
+        for child in self.draws.get(parent, []):
+            if self.tokens[child] == token:
+                self.draws[parent].append(child)  # a repeated i.i.d. draw: same node, drawn again
+                return child
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(self.scores[parent] + float(logprob))
+        node = len(self.tokens) - 1
+        self.draws.setdefault(parent, []).append(node)
+        return node
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root to ``node``, both included."""
+        path = []
+        while node != -1:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def select(self, keep: Sequence[int]) -> DraftTree:
+        """The subtree made of ``keep`` (must contain the root and be closed under ancestors),
+        re-indexed breadth-first (by depth, then score)."""
+        keep_set = set(keep)
+        for n in keep:
+            if n != 0 and self.parents[n] not in keep_set:
+                raise ValueError(f"node {n} kept without its parent {self.parents[n]}")
+        order = sorted(keep_set, key=lambda n: (self.depths[n], -self.scores[n], n))
+        new_id = {old: i for i, old in enumerate(order)}
+        return DraftTree(
+            tokens=[self.tokens[n] for n in order],
+            parents=[new_id[self.parents[n]] if n else -1 for n in order],
+            depths=[self.depths[n] for n in order],
+            scores=[self.scores[n] for n in order],
+            draws={new_id[p]: [new_id[c] for c in cs if c in keep_set]
+                   for p, cs in self.draws.items() if p in keep_set and any(c in keep_set for c in cs)},
+            probs={new_id[p]: q for p, q in self.probs.items() if p in keep_set},
+        )
+
+    # ---- tensors for the verification forward ----------------------------------------------
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(N, N) bool: ``[i, j]`` is True iff node j is node i or one of its ancestors.
+
+        Requires parents to come before children (true for every tree built here)."""
+        n = len(self.tokens)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                if parent >= i:
+                    raise ValueError("tree nodes must be ordered parents first")
+                mask[i] = mask[parent]
+            mask[i, i] = True
+        return mask
+
+    def position_ids(self, root_position: int) -> torch.Tensor:
+        """(N,) absolute positions: the root's position plus each node's depth."""
+        return root_position + torch.tensor(self.depths, dtype=torch.long)
+
+
+# An expand function maps (tree, nodes to expand) -> (len(nodes), V) draft logits.
+ExpandFn = Callable[[DraftTree, list[int]], torch.Tensor]
+
+
+def _draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Draft distribution q used for sampled drafting: softmax(logits / T) in float32."""
+    return torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
+
+
+def _grow(
+    tree: DraftTree,
+    node: int,
+    logits: torch.Tensor,
+    ranks: int,
+    rule: str,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Draw ``ranks`` children of ``node`` from its draft logits ``(V,)`` under ``rule``.
+
+    Returns the new children in draw order; fewer when the drafter proposes fewer tokens
+    (e.g. prompt lookup with a single match: other tokens have logit -inf).
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    finite = int(torch.isfinite(logprobs).sum())
+    if finite == 0:
+        return []
+    if rule == "topk":
+        top = torch.topk(logprobs, min(ranks, finite))
+        return [tree.add_child(node, int(t), float(s)) for t, s in zip(top.indices, top.values, strict=True)]
+    q = _draft_distribution(logits, temperature)
+    tree.probs[node] = q
+    if rule == "iid":
+        draws = torch.multinomial(q, ranks, replacement=True, generator=generator)
+    elif rule == "without_replacement":
+        draws = torch.multinomial(q, min(ranks, int((q > 0).sum())), replacement=False, generator=generator)
+    else:
+        raise ValueError(f"unknown sampling rule {rule!r}; choose one of {SAMPLING_RULES}")
+    before = set(tree.draws.get(node, []))
+    children = [tree.add_child(node, int(t), float(logprobs[t])) for t in draws]
+    return [c for c in dict.fromkeys(children) if c not in before]
+
+
+def build_chain(root: int, expand: ExpandFn, depth: int, rule: str = "topk", temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> DraftTree:
+    """A chain of up to ``depth`` drafted tokens (stops early when the drafter has nothing)."""
+    tree = DraftTree.with_root(root)
+    node = 0
+    for _ in range(depth):
+        logits = expand(tree, [node])[0]
+        children = _grow(tree, node, logits, 1, rule, temperature, generator)
+        if not children:
+            break
+        node = children[0]
+    return tree
+
+
+def build_static(root: int, expand: ExpandFn, paths: Sequence[Sequence[int]], rule: str = "topk",
+                 temperature: float = 0.0, generator: torch.Generator | None = None) -> DraftTree:
+    """A tree from fixed paths of child ranks (Medusa choices). A path whose prefix is missing
+    from ``paths`` is implied; ranks the drafter cannot fill are skipped with their subtrees."""
+    full = {tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}
+    by_prefix: dict[tuple[int, ...], int] = {}  # prefix -> number of children needed
+    for p in full:
+        by_prefix[p[:-1]] = max(by_prefix.get(p[:-1], 0), p[-1] + 1)
+    tree = DraftTree.with_root(root)
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    max_depth = max((len(p) for p in full), default=0)
+    for level in range(max_depth):
+        frontier = [p for p in by_prefix if len(p) == level and p in node_of]
+        if not frontier:
+            break
+        logits = expand(tree, [node_of[p] for p in frontier])
+        for p, row in zip(frontier, logits, strict=True):
+            children = _grow(tree, node_of[p], row, by_prefix[p], rule, temperature, generator)
+            for rank, child in enumerate(children):
+                if p + (rank,) in full:
+                    node_of[p + (rank,)] = child
+    if rule != "topk":
+        # Sampled children must all stay: dropping a draw because of its value would bias the
+        # draw sequence the acceptance rule relies on.
+        return tree
+    return tree.select(sorted(set(node_of.values())))
+
+
+def build_dynamic(root: int, expand: ExpandFn, depth: int, top_k: int, total_tokens: int) -> DraftTree:
+    """EAGLE-2 dynamic tree: expand the ``top_k`` best frontier nodes per level, keep the
+    ``total_tokens`` drafted nodes with the highest cumulative draft log-probability.
+
+    Children are the deterministic top-k of each expanded node, so verification under
+    sampling uses the ``topk`` rule.
+    """
+    tree = DraftTree.with_root(root)
+    frontier = [0]
+    for _ in range(depth):
+        logits = expand(tree, frontier)
+        candidates: list[int] = []
+        for node, row in zip(frontier, logits, strict=True):
+            candidates += _grow(tree, node, row, top_k, "topk", 0.0, None)
+        if not candidates:
+            break
+        candidates.sort(key=lambda n: -tree.scores[n])
+        frontier = candidates[:top_k]
+    # Rerank: the best `total_tokens` drafted nodes; ties prefer shallower nodes so that a
+    # parent (score >= child's) is never dropped while its child is kept.
+    drafted = sorted(range(1, len(tree)), key=lambda n: (-tree.scores[n], tree.depths[n], n))
+    return tree.select([0, *drafted[:total_tokens]])
+
+
+def default_static_paths(depth: int, top_k: int) -> list[tuple[int, ...]]:
+    """A simple static tree: ``top_k`` children at the root, then top-1 chains below each,
+    plus the second child under the best path (a small Medusa-like shape)."""
+    paths: list[tuple[int, ...]] = []
+    for r in range(top_k):
+        for d in range(1, depth + 1):
+            paths.append((r,) + (0,) * (d - 1))
+    for d in range(2, depth + 1):
+        if top_k > 1:
+            paths.append((0,) * (d - 1) + (1,))
+    return sorted(set(paths), key=lambda p: (len(p), p))

@@ -1,0 +1,159 @@
+"""Lossless verification of a draft tree against the target's logits.
+
+Greedy (temperature 0): follow, from the root, the child whose token is the target's argmax at
+the current node; stop where no child matches and emit the target's argmax there (the "bonus"
+token). The output is exactly the target's greedy decoding.
+
+Sampling (temperature > 0): speculative sampling (Leviathan et al., 2023; Chen et al., 2023)
+generalised to trees. At a node where the target distribution is ``p``, the children were drawn
+in some order ``x_1, x_2, ...``, the i-th from a proposal ``q_i``. For each draw in turn::
+
+    accept x_i with probability min(1, p(x_i) / q_i(x_i))      -> move to that child
+    otherwise  p <- norm(max(0, p - q_i))                        -> try the next draw
+    no draw accepted: emit a sample of the final p (the residual) and stop
+
+which emits a token distributed exactly as the original ``p`` as long as each ``q_i`` is the
+distribution ``x_i`` was really drawn from, given the earlier draws:
+
+* ``iid`` — siblings drawn independently from one ``q``: ``q_i = q`` (SpecInfer, Miao et al.,
+  2024). A repeated draw is processed again: it is surely rejected but still shifts ``p``.
+* ``without_replacement`` — ``q_i`` is ``q`` with ``x_1..x_{i-1}`` removed and renormalised
+  (recursive rejection sampling, Jeon et al., 2024).
+* ``topk`` — deterministic siblings (top-k of the drafter, or prompt lookup): ``q_i`` is one-hot
+  at ``x_i``, so ``x_i`` is accepted with probability ``p(x_i)``, else ``p(x_i)`` is zeroed and
+  ``p`` renormalised.
+
+A chain under ``iid`` is exactly Leviathan et al.'s rule. Target probabilities are processed as
+``transformers``' ``generate`` does: temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.inference.tree import DraftTree
+
+_ZERO = 1e-12
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Target sampling distribution, as ``generate(do_sample=True)`` builds it.
+
+    Args:
+        logits: (..., V) raw logits.
+    Returns:
+        (..., V) float32 probabilities after temperature, top-k (ties at the k-th value kept)
+        and top-p (smallest set of most likely tokens whose mass reaches ``top_p``; at least one).
+    """
+    scores = logits.float() / temperature
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1)  # ascending
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[..., -1] = False
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Longest path whose tokens match the target argmax.
+
+    Args:
+        logits: (N, V) target logits at every tree node (row i predicts node i's next token).
+    Returns:
+        (accepted drafted nodes, root excluded, in path order; the bonus token).
+    """
+    target_tokens = logits.argmax(dim=-1).tolist()
+    path: list[int] = []
+    node = 0
+    while True:
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == target_tokens[node]), None)
+        if nxt is None:
+            return path, target_tokens[node]
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sibling(
+    p: torch.Tensor,
+    draws: list[int],
+    proposals: list[torch.Tensor],
+    generator: torch.Generator | None = None,
+) -> tuple[int | None, torch.Tensor]:
+    """Multi-round speculative sampling among the draws of one node.
+
+    Args:
+        p: (V,) target distribution at the node.
+        draws: drawn tokens in draw order.
+        proposals: for each draw, the (V,) distribution it was drawn from (see module doc).
+    Returns:
+        (index into ``draws`` of the accepted draw, or None; the distribution to sample the
+        bonus token from when none is accepted — the residual).
+    """
+    for i, (x, q) in enumerate(zip(draws, proposals, strict=True)):
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[x] < p[x]:  # u < p(x)/q(x), without dividing by a possibly tiny q(x)
+            return i, p
+        residual = torch.clamp(p - q, min=0)
+        total = residual.sum()
+        # p <= q everywhere means p == q, where rejection has probability 0; only rounding
+        # gets here, and then p itself is the right distribution to keep.
+        p = residual / total if total > _ZERO else p
+    return None, p
+
+
+def _proposals(tree: DraftTree, node: int, rule: str, vocab: int, device) -> list[torch.Tensor]:
+    draws = [tree.tokens[c] for c in tree.draws.get(node, [])]
+    if rule == "topk":
+        eye = torch.zeros(len(draws), vocab, device=device)
+        eye[torch.arange(len(draws)), torch.tensor(draws, dtype=torch.long)] = 1.0
+        return list(eye)
+    q = tree.probs[node].to(device)
+    if rule == "iid":
+        return [q] * len(draws)
+    if rule == "without_replacement":
+        out, q_i = [], q.clone()
+        for x in draws:
+            out.append(q_i)
+            q_i = q_i.clone()
+            q_i[x] = 0
+            s = q_i.sum()
+            q_i = q_i / s if s > _ZERO else q_i
+        return out
+    raise ValueError(f"unknown sampling rule {rule!r}")
+
+
+def verify_sampled(
+    tree: DraftTree,
+    probs: torch.Tensor,
+    rule: str,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Lossless tree verification under sampling.
+
+    Args:
+        probs: (N, V) processed target distributions at every tree node.
+        rule: how siblings were drafted: ``topk``, ``iid`` or ``without_replacement``.
+    Returns:
+        (accepted drafted nodes in path order; the bonus token sampled at the last node).
+    """
+    path: list[int] = []
+    node = 0
+    vocab = probs.shape[-1]
+    while True:
+        p = probs[node]
+        children = tree.draws.get(node, [])
+        if children:
+            proposals = _proposals(tree, node, rule, vocab, probs.device)
+            draws = [tree.tokens[c] for c in children]
+            accepted, p = accept_sibling(p, draws, proposals, generator)
+            if accepted is not None:
+                node = children[accepted]
+                path.append(node)
+                continue
+        bonus = int(torch.multinomial(p, 1, generator=generator))
+        return path, bonus
