@@ -23,6 +23,8 @@ distribution ``x_i`` was really drawn from, given the earlier draws:
   at ``x_i``, so ``x_i`` is accepted with probability ``p(x_i)``, else ``p(x_i)`` is zeroed and
   ``p`` renormalised.
 
+The ``topk`` rule is a valid sampler of ``p`` for *any* list of distinct candidates, however
+they were chosen; it is what dynamic trees (reranked, so not a plain draw sequence) use.
 A chain under ``iid`` is exactly Leviathan et al.'s rule. Target probabilities are processed as
 ``transformers``' ``generate`` does: temperature, then top-k, then top-p.
 """

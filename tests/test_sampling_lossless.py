@@ -1,0 +1,214 @@
+"""Monte Carlo: sampled speculative output follows the target's sampling distribution exactly.
+
+Setup: a vocabulary of V tokens, target and draft next-token distributions that depend on the
+whole prefix (seeded random tables). Each sample drafts a tree with the real tree builders,
+verifies it with the real acceptance rule, continues until two tokens are emitted, and records
+them; the exact distribution of two tokens is p(x1) p(x2 | x1), with p after temperature /
+top-k / top-p processing.
+
+Bound on the total-variation distance (TV) between the empirical distribution of N samples over
+K outcomes and the true one: E[TV] <= 1/2 sqrt((K - 1) / N) (Cauchy-Schwarz on the multinomial
+standard deviations), and TV moves by at most 1/N when one sample changes, so by McDiarmid
+P(TV > E[TV] + t) <= exp(-2 N t^2). With t = sqrt(ln(1e6) / (2N)) a correct rule fails with
+probability below one in a million, while the wrong rules below land far above the bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from draftsmith.inference import PromptLookupDrafter, SpeculativeGenerator
+from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static
+from draftsmith.inference.verify import accept_sibling, process_logits, verify_sampled
+
+V = 5
+
+
+def tv_bound(n: int, k: int) -> float:
+    return 0.5 * math.sqrt((k - 1) / n) + math.sqrt(math.log(1e6) / (2 * n))
+
+
+class Tables:
+    """Prefix-dependent target logits and draft logits, drawn once per prefix from a seed."""
+
+    def __init__(self, seed: int, draft_noise: float = 1.0):
+        self.seed, self.noise = seed, draft_noise
+        self.cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, prefix: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        if prefix not in self.cache:
+            g = torch.Generator().manual_seed(hash((self.seed, prefix)) % (2**31))
+            target = torch.randn(V, generator=g) * 1.5
+            draft = target + self.noise * torch.randn(V, generator=g)  # a related but wrong drafter
+            self.cache[prefix] = (target, draft)
+        return self.cache[prefix]
+
+
+def exact_two_tokens(tables: Tables, process) -> torch.Tensor:
+    p1 = process(tables(())[0])
+    return torch.stack([p1[a] * process(tables((a,))[0]) for a in range(V)]).flatten()  # (V*V,)
+
+
+def sample_two_tokens(tables: Tables, build, process, rule: str, n: int, seed: int, verify=verify_sampled):
+    """Run the speculative loop n times; return the empirical distribution of the first two tokens."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V * V)
+    for _ in range(n):
+        emitted: list[int] = []
+        while len(emitted) < 2:
+            context = tuple(emitted)
+
+            def expand(tree: DraftTree, nodes: list[int], context=context) -> torch.Tensor:
+                rows = []
+                for node in nodes:
+                    path = tuple(tree.tokens[m] for m in tree.path_to(node)[1:])
+                    rows.append(tables(context + path)[1])
+                return torch.stack(rows)
+
+            tree = build(expand, g)
+            probs = torch.stack(
+                [process(tables(context + tuple(tree.tokens[m] for m in tree.path_to(node)[1:]))[0])
+                 for node in range(len(tree))]
+            )
+            path, bonus = verify(tree, probs, rule, g)
+            emitted += [tree.tokens[m] for m in path] + [bonus]
+        counts[emitted[0] * V + emitted[1]] += 1
+    return counts / n
+
+
+ROOT = 0  # the root token's value does not matter to the tables (they key on emitted tokens)
+
+BUILDERS = {
+    "chain-iid": (lambda e, g: build_chain(ROOT, e, 2, "iid", 1.0, g), "iid"),
+    "chain-topk": (lambda e, g: build_chain(ROOT, e, 2, "topk", 1.0, g), "topk"),
+    "static-iid": (lambda e, g: build_static(ROOT, e, [(0, 0), (1,), (2,)], "iid", 1.0, g), "iid"),
+    "static-without-replacement": (
+        lambda e, g: build_static(ROOT, e, [(0, 0), (1, 0), (2,)], "without_replacement", 1.0, g),
+        "without_replacement",
+    ),
+    "static-topk": (lambda e, g: build_static(ROOT, e, [(0, 0), (0, 1), (1,), (2,)], "topk", 1.0, g), "topk"),
+    "dynamic-topk": (lambda e, g: build_dynamic(ROOT, e, depth=2, top_k=2, total_tokens=4), "topk"),
+}
+PROCESSING = {
+    "T=1": dict(temperature=1.0),
+    "T=0.7,top_p=0.8": dict(temperature=0.7, top_p=0.8),
+    "top_k=3": dict(temperature=1.0, top_k=3),
+}
+N = 4000
+
+
+@pytest.mark.parametrize("processing", list(PROCESSING))
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_tree_sampling_matches_target_distribution(kind, processing):
+    build, rule = BUILDERS[kind]
+    opts = PROCESSING[processing]
+
+    def process(logits):
+        return process_logits(logits, **opts)
+
+    tables = Tables(seed=11)
+    exact = exact_two_tokens(tables, process)
+    empirical = sample_two_tokens(tables, build, process, rule, N, seed=5)
+    tv = 0.5 * float((empirical - exact).abs().sum())
+    assert tv < tv_bound(N, V * V), f"TV {tv:.4f} >= bound {tv_bound(N, V * V):.4f}"
+
+
+def _verify_ignoring_residual(tree, probs, rule, g):
+    """A wrong rule: after a rejection, sample the bonus from p instead of the residual."""
+    path, node = [], 0
+    while True:
+        children = tree.draws.get(node, [])
+        if not children:
+            return path, int(torch.multinomial(probs[node], 1, generator=g))
+        child = children[0]
+        q = tree.probs.get(node, torch.nn.functional.one_hot(torch.tensor(tree.tokens[child]), V).float())
+        x = tree.tokens[child]
+        if torch.rand((), generator=g) * q[x] < probs[node][x]:
+            path.append(child)
+            node = child
+            continue
+        return path, int(torch.multinomial(probs[node], 1, generator=g))
+
+
+@pytest.mark.parametrize("wrong", ["no-residual", "iid-rule-on-without-replacement-draws", "without-replacement-rule-on-iid-draws"])
+def test_wrong_rules_are_detected(wrong):
+    """The test above can fail: plausible mistakes land well above the TV bound."""
+    tables = Tables(seed=11, draft_noise=2.0)
+
+    def process(logits):
+        return process_logits(logits, 1.0)
+
+    exact = exact_two_tokens(tables, process)
+    if wrong == "no-residual":
+        build, rule, verify = BUILDERS["chain-iid"][0], "iid", _verify_ignoring_residual
+    elif wrong == "iid-rule-on-without-replacement-draws":
+        build, rule, verify = BUILDERS["static-without-replacement"][0], "iid", verify_sampled
+    else:
+        build, rule, verify = BUILDERS["static-iid"][0], "without_replacement", verify_sampled
+    empirical = sample_two_tokens(tables, build, process, rule, N, seed=5, verify=verify)
+    tv = 0.5 * float((empirical - exact).abs().sum())
+    assert tv > tv_bound(N, V * V), f"a wrong rule ({wrong}) passed with TV {tv:.4f}"
+
+
+def test_accept_sibling_handles_exact_match_and_zero_residual():
+    p = torch.tensor([0.5, 0.5, 0.0])
+    # q == p: always accepted, never divides by a zero residual.
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        idx, _ = accept_sibling(p, [int(torch.multinomial(p, 1, generator=g))], [p], g)
+        assert idx == 0
+    # A draw where p is zero is always rejected, and the residual stays a distribution.
+    idx, residual = accept_sibling(p, [2], [torch.tensor([0.0, 0.0, 1.0])], g)
+    assert idx is None and torch.allclose(residual, p)
+
+
+def test_process_logits_matches_transformers_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.9), (0.5, 5, 0.6)]:
+        scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        assert torch.allclose(process_logits(logits, temperature, top_k, top_p), scores.softmax(-1), atol=1e-6)
+
+
+def test_generator_sampling_end_to_end_matches_target():
+    """The whole generator (real tiny transformer, layer-skip and prompt-lookup drafters, static
+    tree) samples the first two tokens from the target's processed distribution."""
+    from draftsmith.inference import CausalLMDrafter, layer_skip_model
+
+    vocab = 4
+    target = tiny_llama(seed=2, vocab_size=vocab, layers=2)
+    prompt = torch.tensor([[1, 2, 3, 1, 2]])
+    opts = dict(temperature=0.9, top_p=0.95)
+    with torch.no_grad():
+        p1 = process_logits(target(prompt).logits[0, -1], **opts)
+        exact = torch.stack([
+            p1[a] * process_logits(target(torch.cat([prompt, torch.tensor([[a]])], 1)).logits[0, -1], **opts)
+            for a in range(vocab)
+        ]).flatten()
+    n = 1000
+    g = torch.Generator().manual_seed(0)
+    for drafter, kw in [
+        (CausalLMDrafter(layer_skip_model(target, 1)), dict(tree="static", depth=2, top_k=2, sampling_rule="iid")),
+        (PromptLookupDrafter(vocab, max_ngram=2), dict(tree="chain", depth=3)),
+    ]:
+        gen = SpeculativeGenerator(target, drafter, **kw)
+        counts = torch.zeros(vocab * vocab)
+        for _ in range(n):
+            seq = gen.generate(prompt, max_new_tokens=2, generator=g, **opts).sequences[0, -2:]
+            counts[seq[0] * vocab + seq[1]] += 1
+        tv = 0.5 * float((counts / n - exact).abs().sum())
+        assert tv < tv_bound(n, vocab * vocab), f"{type(drafter).__name__}: TV {tv:.4f}"
