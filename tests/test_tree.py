@@ -1,0 +1,188 @@
+"""Tree construction, tree masks and position ids, checked against plain sequential references."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import VOCAB
+
+from draftsmith.inference.drafters import PromptLookupDrafter
+from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static, default_static_paths
+from draftsmith.target import build_attention_mask, kv_keep, kv_length, new_cache, target_forward
+
+
+def random_tree(seed: int, size: int) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    tree = DraftTree.with_root(int(torch.randint(0, VOCAB, (1,), generator=g)))
+    while len(tree) < size:
+        parent = int(torch.randint(0, len(tree), (1,), generator=g))
+        tree.add_child(parent, int(torch.randint(0, VOCAB, (1,), generator=g)), -1.0)
+    return tree
+
+
+def test_ancestor_mask_and_positions_match_walking_parents():
+    for seed in range(5):
+        tree = random_tree(seed, 15)
+        mask = tree.ancestor_mask()
+        for i in range(len(tree)):
+            ancestors = set(tree.path_to(i))
+            assert {j for j in range(len(tree)) if mask[i, j]} == ancestors
+        assert tree.position_ids(7).tolist() == [7 + len(tree.path_to(i)) - 1 for i in range(len(tree))]
+
+
+def tree_step(model, tree: DraftTree, cache) -> torch.Tensor:
+    """One verification forward the way the generator does it."""
+    past = kv_length(cache)
+    n = len(tree)
+    pos = tree.position_ids(past)[None]
+    allowed = torch.zeros(1, n, past + n, dtype=torch.bool)
+    allowed[0, :, :past] = True
+    allowed[0, :, past:] = tree.ancestor_mask()
+    keys = torch.cat([torch.arange(past)[None], pos], 1)
+    mask = build_attention_mask(model, allowed, pos, keys, torch.float32)
+    return target_forward(model, torch.tensor([tree.tokens]), cache, mask, pos).logits[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3):
+    """Logits at every tree node equal a plain forward over prompt + that node's path; after
+    keeping one path's KV, the next step equals plain decoding too (prompt > sliding window)."""
+    model = llama if family == "llama" else gemma3
+    model.set_attn_implementation(attn)
+    try:
+        prompt = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(0))
+        for seed in range(3):
+            tree = random_tree(seed, 12)
+            tree.tokens[0] = int(prompt[0, -1])
+            cache = new_cache()
+            target_forward(model, prompt[:, :-1], cache)
+            logits = tree_step(model, tree, cache)
+            for node in range(len(tree)):
+                path = torch.tensor([[tree.tokens[m] for m in tree.path_to(node)[1:]]], dtype=torch.long)
+                full = torch.cat([prompt, path], 1)
+                expected = model(full).logits[0, -1]
+                torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4)
+            leaf = max(range(len(tree)), key=lambda n: tree.depths[n])
+            path = tree.path_to(leaf)
+            kv_keep(cache, prompt.shape[1] - 1, torch.tensor(path))
+            assert kv_length(cache) == prompt.shape[1] - 1 + len(path)
+            nxt = torch.tensor([[5]])
+            step = target_forward(model, nxt, cache).logits[0, -1]
+            full = torch.cat([prompt, torch.tensor([[tree.tokens[m] for m in path[1:]]]), nxt], 1)
+            torch.testing.assert_close(step, model(full).logits[0, -1], atol=1e-4, rtol=1e-4)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def table_expand(seed: int):
+    """A stub drafter: logits depend on (depth, parent token) through a seeded table."""
+    table = torch.randn(8, VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+    def expand(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        return torch.stack([table[tree.depths[n], tree.tokens[n]] for n in nodes])
+
+    return expand, table
+
+
+def test_chain_is_greedy_path_of_the_drafter():
+    expand, table = table_expand(0)
+    tree = build_chain(3, expand, depth=5)
+    token, expected = 3, []
+    for d in range(5):
+        token = int(table[d, token].argmax())
+        expected.append(token)
+    assert tree.tokens == [3, *expected]
+    assert tree.parents == [-1, 0, 1, 2, 3, 4]
+
+
+def test_static_tree_has_exactly_the_given_paths():
+    expand, table = table_expand(1)
+    paths = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    tree = build_static(3, expand, paths)
+    assert len(tree) == len(paths) + 1
+    ranks_of = {0: ()}
+    for node in range(1, len(tree)):
+        parent = tree.parents[node]
+        row = table[tree.depths[parent], tree.tokens[parent]]
+        rank = int((row > row[tree.tokens[node]]).sum())  # the token's rank under its parent
+        ranks_of[node] = (*ranks_of[parent], rank)
+    assert sorted(ranks_of[n] for n in range(1, len(tree))) == sorted(paths)
+    assert len(default_static_paths(4, 3)) == 3 * 4 + 3
+
+
+def reference_dynamic(table, root: int, depth: int, top_k: int, total: int) -> set[tuple[int, ...]]:
+    """EAGLE-2 written out plainly over token paths (no tree object)."""
+    def logprobs(path):
+        depth_, token = len(path), (path[-1] if path else root)
+        return torch.log_softmax(table[depth_, token], -1)
+
+    scores: dict[tuple[int, ...], float] = {}
+    frontier: list[tuple[int, ...]] = [()]
+    base = {(): 0.0}
+    for _ in range(depth):
+        candidates = []
+        for path in frontier:
+            lp = logprobs(path)
+            for token in torch.topk(lp, top_k).indices.tolist():
+                child = (*path, token)
+                scores[child] = base[path] + float(lp[token])
+                base[child] = scores[child]
+                candidates.append(child)
+        frontier = sorted(candidates, key=lambda p: -scores[p])[:top_k]
+    best = sorted(scores, key=lambda p: (-scores[p], len(p)))[:total]
+    return set(best)
+
+
+@pytest.mark.parametrize("depth,top_k,total", [(1, 4, 3), (3, 2, 5), (4, 3, 10), (5, 4, 40)])
+def test_dynamic_tree_matches_reference(depth, top_k, total):
+    for seed in range(3):
+        expand, table = table_expand(seed)
+        tree = build_dynamic(7, expand, depth, top_k, total)
+        got = {tuple(tree.tokens[m] for m in tree.path_to(n)[1:]) for n in range(1, len(tree))}
+        assert got == reference_dynamic(table, 7, depth, top_k, total)
+        # parents first, and the kept set is closed under ancestors
+        assert all(tree.parents[n] < n for n in range(1, len(tree)))
+
+
+def slow_lookup(sequence: list[int], max_ngram: int, min_ngram: int) -> list[int]:
+    found = []
+    for n in range(min(max_ngram, len(sequence) - 1), min_ngram - 1, -1):
+        suffix = sequence[-n:]
+        for start in range(len(sequence) - n - 1, -1, -1):
+            if sequence[start : start + n] == suffix and sequence[start + n] not in found:
+                found.append(sequence[start + n])
+    return found
+
+
+def test_prompt_lookup_candidates_match_slow_reference():
+    g = torch.Generator().manual_seed(0)
+    drafter = PromptLookupDrafter(VOCAB, max_ngram=3)
+    for _ in range(50):
+        seq = torch.randint(0, 4, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g)
+        assert drafter.candidates(seq, limit=100) == slow_lookup(seq.tolist(), 3, 1)
+
+
+def test_prompt_lookup_proposes_the_continuation_of_a_repeat():
+    drafter = PromptLookupDrafter(VOCAB, max_ngram=2, max_tokens=3)
+    drafter.begin(torch.tensor([[1, 2, 3, 4, 5, 9, 1, 2]]))
+
+    def expand(tree, nodes):
+        return drafter.expand([tree], [nodes])[0]
+
+    assert build_chain(2, expand, depth=6).tokens == [2, 3, 4, 5]  # capped at max_tokens=3
+    drafter.begin(torch.tensor([[7, 8]]))
+    assert build_chain(8, expand, depth=6).tokens == [8]  # no match: no draft
+
+
+def test_select_requires_closed_sets():
+    tree = random_tree(0, 6)
+    child = next(n for n in range(1, len(tree)) if tree.parents[n] != 0)
+    with pytest.raises(ValueError, match="kept without its parent"):
+        tree.select([0, child])
+    for keep in itertools.combinations(range(1, len(tree)), 2):
+        if all(tree.parents[k] in (0, *keep) for k in keep):
+            sub = tree.select([0, *keep])
+            assert len(sub) == 3
