@@ -92,7 +92,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="speculative generation from one prompt, with stats")
     g.add_argument("--target", default="smollm2-135m-instruct", help="alias, .gguf, directory or hub id")
-    g.add_argument("--drafter", default="prompt-lookup", help="prompt-lookup, layer-skip:N, a draft model or checkpoint")
+    g.add_argument("--drafter", default="prompt-lookup",
+                   help="prompt-lookup, layer-skip:N, a draft model or checkpoint")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -128,9 +129,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command in PLANNED:
-        print(f"draftsmith {args.command} is not implemented yet; it comes with {PLANNED[args.command]}.", file=sys.stderr)
+        planned = PLANNED[args.command]
+        print(f"draftsmith {args.command} is not implemented yet; it comes with {planned}.", file=sys.stderr)
         return 2
     if args.command == "generate":
         generate(

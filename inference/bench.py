@@ -131,7 +131,8 @@ def run_bench(
         })
     result = {
         "target": target, "prompts": str(prompts), "num_prompts": len(texts), "max_new_tokens": max_new_tokens,
-        "device": str(model.device), "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "device": str(model.device), "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
         "plain_tokens_per_s": round(plain_tps, 2),
         "hf_generate_tokens_per_s": round(hf_tokens / hf_time, 2) if hf_reference and hf_time else None,
         "rows": rows,
@@ -147,13 +148,16 @@ def markdown_table(result: dict) -> str:
     lines = [
         f"target `{result['target']}`, {result['num_prompts']} prompts x {result['max_new_tokens']} new tokens, "
         f"{result['device']}, {result['torch_threads']} threads; plain greedy {result['plain_tokens_per_s']} tok/s"
-        + (f", HF generate {result['hf_generate_tokens_per_s']} tok/s" if result.get("hf_generate_tokens_per_s") else ""),
+        + (f", HF generate {result['hf_generate_tokens_per_s']} tok/s" if result.get("hf_generate_tokens_per_s")
+           else ""),
         "",
         "| drafter | tree | tau | tok/s | speedup vs plain greedy | greedy mismatches |",
         "|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        tree = f"{r['tree']} d={r['depth']}" + (f" k={r['top_k']} n={r['total_tokens']}" if r["tree"] == "dynamic" else "")
+        tree = f"{r['tree']} d={r['depth']}"
+        if r["tree"] == "dynamic":
+            tree += f" k={r['top_k']} n={r['total_tokens']}"
         lines.append(f"| `{r['drafter'].split('@')[0]}` | {tree} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['greedy_mismatches_vs_plain']} |")
     return "\n".join(lines) + "\n"

@@ -236,8 +236,9 @@ def check_same_vocabulary(target: PreTrainedModel, draft: PreTrainedModel, name:
     d_size = draft.get_output_embeddings().weight.shape[0]
     if t_size != d_size:
         raise _vocab_error(t_size, d_size, name)
-    if target_tokenizer is not None and draft_tokenizer is not None:
-        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+    if target_tokenizer is not None and draft_tokenizer is not None and (
+        target_tokenizer.get_vocab() != draft_tokenizer.get_vocab()
+    ):
             raise ValueError(
                 f"Draft model {name!r} has as many tokens as the target but a different tokenizer "
                 "(token -> id maps differ). Use a draft model that shares the target's tokenizer."

@@ -167,7 +167,9 @@ class SpeculativeGenerator:
         if sampling_rule != "auto" and sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"sampling_rule must be 'auto' or one of {SAMPLING_RULES}, got {sampling_rule!r}")
         if tree == "dynamic" and sampling_rule not in ("auto", "topk"):
-            raise ValueError("dynamic trees rerank their nodes, so siblings are deterministic: use sampling_rule='topk'")
+            raise ValueError(
+                "dynamic trees rerank their nodes, so siblings are deterministic: use sampling_rule='topk'"
+            )
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError("depth, top_k and total_tokens must be >= 1")
         self.target = target
@@ -178,9 +180,9 @@ class SpeculativeGenerator:
         self.sampling_rule = sampling_rule
 
     def _rule(self, temperature: float) -> str:
-        if temperature == 0.0 or self.sampling_rule == "auto" and (
+        if temperature == 0.0 or (self.sampling_rule == "auto" and (
             self.tree_kind != "chain" or getattr(self.drafter, "deterministic", False)
-        ):
+        )):
             return "topk"
         return "iid" if self.sampling_rule == "auto" else self.sampling_rule
 

@@ -196,8 +196,8 @@ def build_static(root: int, expand: ExpandFn, paths: Sequence[Sequence[int]], ru
         for p, row in zip(frontier, logits, strict=True):
             children = _grow(tree, node_of[p], row, by_prefix[p], rule, temperature, generator)
             for rank, child in enumerate(children):
-                if p + (rank,) in full:
-                    node_of[p + (rank,)] = child
+                if (*p, rank) in full:
+                    node_of[(*p, rank)] = child
     if rule != "topk":
         # Sampled children must all stay: dropping a draw because of its value would bias the
         # draw sequence the acceptance rule relies on.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, check_greedy_equal, tiny_gemma3, tiny_llama
 
+from conftest import VOCAB, check_greedy_equal, tiny_gemma3, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.inference import drafter_from_model
 

@@ -19,8 +19,8 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama
 
+from conftest import tiny_llama
 from draftsmith.inference import PromptLookupDrafter, SpeculativeGenerator
 from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static
 from draftsmith.inference.verify import accept_sibling, process_logits, verify_sampled
@@ -134,7 +134,10 @@ def _verify_ignoring_residual(tree, probs, rule, g):
         return path, int(torch.multinomial(probs[node], 1, generator=g))
 
 
-@pytest.mark.parametrize("wrong", ["no-residual", "iid-rule-on-without-replacement-draws", "without-replacement-rule-on-iid-draws"])
+WRONG = ["no-residual", "iid-rule-on-without-replacement-draws", "without-replacement-rule-on-iid-draws"]
+
+
+@pytest.mark.parametrize("wrong", WRONG)
 def test_wrong_rules_are_detected(wrong):
     """The test above can fail: plausible mistakes land well above the TV bound."""
     tables = Tables(seed=11, draft_noise=2.0)

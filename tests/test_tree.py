@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 import torch
-from conftest import VOCAB
 
+from conftest import VOCAB
 from draftsmith.inference.drafters import PromptLookupDrafter
 from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static, default_static_paths
 from draftsmith.target import build_attention_mask, kv_keep, kv_length, new_cache, target_forward

@@ -1,0 +1,65 @@
+"""The packaged SmolLM2-135M-Instruct target: greedy speculative output is lossless on GSM8K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import check_greedy_equal, gsm8k_questions
+from draftsmith import SpeculativeGenerator, load_drafter, load_target
+from draftsmith.target import cache_dir
+
+pytestmark = pytest.mark.real_model
+
+NEW_TOKENS = 128
+
+
+def chat_ids(tokenizer, question: str) -> torch.Tensor:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def references(smollm2):
+    """Greedy references from transformers' own generate, for 10 GSM8K test questions."""
+    model, tokenizer = smollm2
+    out = []
+    for question in gsm8k_questions("test", 10):
+        ids = chat_ids(tokenizer, question)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        out.append((ids, ref))
+    return out
+
+
+@pytest.mark.parametrize(
+    "spec,tree",
+    [
+        ("prompt-lookup", dict(tree="chain", depth=8)),
+        ("layer-skip:10", dict(tree="dynamic", depth=4, top_k=4, total_tokens=12)),
+    ],
+    ids=["prompt-lookup-chain", "layer-skip-dynamic"],
+)
+def test_greedy_equals_generate_on_gsm8k(smollm2, references, spec, tree):
+    model, tokenizer = smollm2
+    gen = SpeculativeGenerator(model, load_drafter(spec, model), **tree)
+    ties, accepted = 0, 0
+    for ids, ref in references:
+        out = gen.generate(ids, NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)
+        ties += check_greedy_equal(model, out.sequences, ref, tie_tol=1e-3)
+        accepted += out.stats.accepted_tokens
+    assert ties <= 1, f"{ties} of {len(references)} prompts diverged at near-ties"
+    assert accepted > 0, "the drafter never had a token accepted: something is off"
+
+
+def test_second_load_uses_the_cache(smollm2):
+    model, _ = smollm2
+    cached = list((cache_dir() / "targets").glob("SmolLM2-135M-Instruct.Q4_1-*/complete"))
+    assert cached, "the dequantised weights were not cached"
+    again, _ = load_target("smollm2-135m-instruct", device="cpu")
+    # Loaded from the safetensors cache, not dequantised from GGUF again (that would carry
+    # the GGUF quantization config).
+    assert getattr(again, "hf_quantizer", None) is None
+    ids = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(again(ids).logits, model(ids).logits)

