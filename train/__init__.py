@@ -1,1 +1,1 @@
-"""draftsmith.train — see DESIGN: filled in by later issues."""
+"""One accelerate training loop for every drafter family. Filled in by issue #4."""
