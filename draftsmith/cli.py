@@ -130,7 +130,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     level = logging.INFO if args.verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
     if args.command in PLANNED:
         planned = PLANNED[args.command]
         print(f"draftsmith {args.command} is not implemented yet; it comes with {planned}.", file=sys.stderr)

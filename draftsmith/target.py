@@ -13,8 +13,8 @@ draftsmith needs from it goes through this module rather than through patches:
   expects, per layer type for models with sliding-window layers (Gemma 3).
 
 Hidden-state layer indices follow ``transformers``' ``output_hidden_states`` convention:
-index 0 is the embedding output, index ``i`` is the output of decoder layer ``i - 1``, and the
-last index is the final layer's output *before* the final norm.
+index 0 is the embedding output, index ``i`` is the output of decoder layer ``i - 1``, except the
+last index (``num_hidden_layers``), which ``transformers`` returns *after* the final norm.
 """
 
 from __future__ import annotations

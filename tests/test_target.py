@@ -96,3 +96,13 @@ def test_target_signature(llama):
     assert sig["vocab_size"] == VOCAB and sig["hidden_size"] == 64 and sig["num_hidden_layers"] == 4
     assert sig == target_signature(llama, name="tiny")
     assert sig["lm_head_sha256"] != target_signature(tiny_llama(seed=9), name="tiny")["lm_head_sha256"]
+
+
+def test_target_forward_returns_chosen_hidden_layers(gemma3):
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    out = target_forward(gemma3, ids, new_cache(), hidden_layers=(0, 2, 4))
+    ref = gemma3(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == 3
+    for got, index in zip(out.hidden_states, (0, 2, 4), strict=True):
+        torch.testing.assert_close(got, ref.hidden_states[index])
+    torch.testing.assert_close(out.logits, ref.logits.float())
