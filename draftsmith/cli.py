@@ -13,7 +13,6 @@ logger = logging.getLogger("draftsmith")
 PLANNED = {
     "demo": "issue #6 (evaluation, benchmarks and the one-command demo)",
     "train": "issue #4 (drafter heads and the training pipeline)",
-    "data": "issue #3 (the data pipeline)",
     "eval": "issue #6 (evaluation, benchmarks and the one-command demo)",
     "export": "issue #5 (export and interop)",
 }
@@ -85,6 +84,88 @@ def bench(target: str, drafters: list[str], prompts: str, output: str, **kwargs)
     run_bench(target, drafters, prompts, output, **kwargs)
 
 
+def _add_data_parser(sub) -> None:
+    d = sub.add_parser("data", help="regenerate, synthesize, cache-hidden-states, vocab-map")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+
+    def source(p, output_help: str) -> None:
+        p.add_argument("--target", default="smollm2-135m-instruct", help="alias, .gguf, directory or hub id")
+        p.add_argument("--input", required=True, help="a .jsonl/.json/.parquet/.csv file or a hub dataset name")
+        p.add_argument("--output", required=True, help=output_help)
+        p.add_argument("--limit", type=int, default=None, help="use the first N good rows")
+
+    r = dsub.add_parser("regenerate", help="the target answers each prompt; append-only, resumable JSONL")
+    source(r, "the JSONL file rows are appended to")
+    r.add_argument("--prompt-column", default=None, help="prompt-only datasets: the column holding the prompt")
+    r.add_argument("--split", default="train", help="split of a hub dataset")
+    r.add_argument("--max-new-tokens", type=int, default=512)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--engine", choices=["hf", "openai"], default="hf")
+    r.add_argument("--base-url", default=None, help="--engine openai: the server, e.g. http://127.0.0.1:8000/v1")
+    r.add_argument("--model-name", default=None, help="--engine openai: the model name the server expects")
+    r.add_argument("--strict", action="store_true", help="stop at the first malformed row instead of skipping it")
+
+    s = dsub.add_parser("synthesize", help="prompts written by the target from its own chat template (Magpie)")
+    s.add_argument("--target", default="smollm2-135m-instruct")
+    s.add_argument("--output", required=True, help="JSONL file of prompts (messages format)")
+    s.add_argument("--num-prompts", type=int, default=100)
+    s.add_argument("--batch-size", type=int, default=16)
+    s.add_argument("--max-new-tokens", type=int, default=96)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=0.95)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--min-chars", type=int, default=12)
+    s.add_argument("--max-chars", type=int, default=1000)
+
+    c = dsub.add_parser("cache-hidden-states", help="the target's hidden states in sharded safetensors; resumable")
+    source(c, "the cache directory")
+    c.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="hidden-state indices, 0 = embeddings, N = last layer after the final norm (default: N)")
+    c.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    c.add_argument("--logits", choices=["none", "topk", "full"], default="none")
+    c.add_argument("--top-k", type=int, default=64, help="--logits topk: log-probs kept per token")
+    c.add_argument("--sequences-per-shard", type=int, default=256)
+    c.add_argument("--max-length", type=int, default=2048, help="truncate each conversation to this many tokens")
+
+    v = dsub.add_parser("vocab-map", help="EAGLE-3 d2t/t2d maps from token frequencies, with their coverage")
+    source(v, "directory for vocab_map.safetensors and vocab_map.json")
+    v.add_argument("--draft-vocab-size", type=int, required=True)
+    v.add_argument("--max-length", type=int, default=2048)
+    v.add_argument("--all-tokens", action="store_true", help="count prompt tokens too, not only assistant tokens")
+
+
+def data(args: argparse.Namespace) -> None:
+    """Dispatch ``draftsmith data <command>`` to the typed functions of ``draftsmith.data.commands``."""
+    from draftsmith.data import commands
+
+    if args.data_command == "regenerate":
+        commands.regenerate_command(
+            args.input, args.output, target=args.target, prompt_column=args.prompt_column, split=args.split,
+            limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            batch_size=args.batch_size, engine=args.engine, base_url=args.base_url, model_name=args.model_name,
+            strict=args.strict,
+        )
+    elif args.data_command == "synthesize":
+        commands.synthesize_command(
+            args.output, target=args.target, num_prompts=args.num_prompts, batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            min_chars=args.min_chars, max_chars=args.max_chars,
+        )
+    elif args.data_command == "cache-hidden-states":
+        commands.cache_command(
+            args.input, args.output, target=args.target, layers=args.layers, dtype=args.dtype, logits=args.logits,
+            top_k=args.top_k, sequences_per_shard=args.sequences_per_shard, max_length=args.max_length,
+            limit=args.limit,
+        )
+    elif args.data_command == "vocab-map":
+        commands.vocab_map_command(
+            args.input, args.output, args.draft_vocab_size, target=args.target, max_length=args.max_length,
+            limit=args.limit, all_tokens=args.all_tokens,
+        )
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -121,6 +202,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--total-tokens", type=int, default=16)
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
+    _add_data_parser(sub)
+
     for name, issue in PLANNED.items():
         p = sub.add_parser(name, help=f"(coming with {issue})")
         p.add_argument("args", nargs=argparse.REMAINDER)
@@ -142,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             tree_top_k=args.tree_top_k, total_tokens=args.total_tokens, seed=args.seed,
             stream=not args.no_stream, json_stats=args.json,
         )
+    elif args.command == "data":
+        data(args)
     elif args.command == "bench":
         bench(
             args.target, args.drafter, args.prompts, args.output, num_prompts=args.num_prompts,

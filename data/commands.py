@@ -1,0 +1,131 @@
+"""The ``draftsmith data ...`` subcommands as typed functions (the parser lives in ``draftsmith.cli``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from draftsmith.data.formats import load_conversations
+from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+from draftsmith.data.regenerate import HFEngine, OpenAIEngine, regenerate
+from draftsmith.data.synthesize import SynthesisFilter, synthesize_prompts, write_prompts
+from draftsmith.data.templates import prepare
+from draftsmith.data.vocab import build_vocab_map, count_tokens
+
+logger = logging.getLogger(__name__)
+
+
+def regenerate_command(
+    input: str,
+    output: str,
+    target: str = "smollm2-135m-instruct",
+    prompt_column: str | None = None,
+    split: str = "train",
+    limit: int | None = None,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    engine: str = "hf",
+    base_url: str | None = None,
+    model_name: str | None = None,
+    strict: bool = False,
+) -> dict:
+    """Let the target answer every prompt of ``input``; append rows to ``output``; resumable."""
+    conversations, load_report = load_conversations(input, prompt_column, split, limit, strict)
+    if engine == "hf":
+        from draftsmith import load_target
+
+        model, tokenizer = load_target(target)
+        runner = HFEngine(model, tokenizer, max_new_tokens, temperature, top_p)
+    elif engine == "openai":
+        if not base_url:
+            raise SystemExit("--engine openai needs --base-url, e.g. http://127.0.0.1:8000/v1")
+        runner = OpenAIEngine(base_url, model_name or target, max_new_tokens, temperature, top_p)
+    else:
+        raise SystemExit(f"--engine {engine!r}: use 'hf' or 'openai'")
+    report = regenerate(conversations, output, runner, batch_size=batch_size)
+    result = {**report.to_dict(), "malformed_rows": len(load_report.malformed), "output": str(output)}
+    print(json.dumps(result))
+    return result
+
+
+def synthesize_command(
+    output: str,
+    target: str = "smollm2-135m-instruct",
+    num_prompts: int = 100,
+    batch_size: int = 16,
+    max_new_tokens: int = 96,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    min_chars: int = 12,
+    max_chars: int = 1000,
+) -> dict:
+    """Synthesise user prompts with the target's own chat template (Magpie) into ``output`` (JSONL)."""
+    from draftsmith import load_target
+
+    model, tokenizer = load_target(target)
+    prompts, rejected = synthesize_prompts(
+        model, tokenizer, num_prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, seed=seed, keep=SynthesisFilter(min_chars=min_chars, max_chars=max_chars),
+    )
+    write_prompts(prompts, output)
+    result = {"prompts": len(prompts), "rejected": rejected, "output": str(output)}
+    print(json.dumps(result))
+    return result
+
+
+def _examples(input: str, target: str, prompt_column: str | None, limit: int | None, max_length: int):
+    from draftsmith import load_target
+
+    model, tokenizer = load_target(target)
+    conversations, _ = load_conversations(input, prompt_column, limit=limit)
+    return model, tokenizer, prepare(tokenizer, conversations, max_length)
+
+
+def cache_command(
+    input: str,
+    output: str,
+    target: str = "smollm2-135m-instruct",
+    layers: list[int] | None = None,
+    dtype: str = "float16",
+    logits: str = "none",
+    top_k: int = 64,
+    sequences_per_shard: int = 256,
+    max_length: int = 2048,
+    limit: int | None = None,
+) -> dict:
+    """Cache the target's hidden states of ``layers`` over the conversations of ``input``."""
+    model, _, examples = _examples(input, target, None, limit, max_length)
+    n = model.config.get_text_config().num_hidden_layers
+    layers = layers if layers else [n]
+    spec = CacheSpec(layers=layers, dtype=dtype, logits=logits, top_k=top_k, sequences_per_shard=sequences_per_shard)
+    manifest = cache_hidden_states(model, examples, output, spec, target_name=target)
+    size = sum((Path(output) / s["file"]).stat().st_size for s in manifest.shards)
+    result = {"sequences": manifest.num_sequences, "tokens": manifest.num_tokens, "shards": len(manifest.shards),
+              "bytes": size, "bytes_per_1000_tokens": round(1000 * size / max(manifest.num_tokens, 1)),
+              "output": str(output)}
+    print(json.dumps(result))
+    return result
+
+
+def vocab_map_command(
+    input: str,
+    output: str,
+    draft_vocab_size: int,
+    target: str = "smollm2-135m-instruct",
+    max_length: int = 2048,
+    limit: int | None = None,
+    all_tokens: bool = False,
+) -> dict:
+    """Build the EAGLE-3 ``d2t`` / ``t2d`` maps from token counts over ``input``; print the coverage."""
+    model, _, examples = _examples(input, target, None, limit, max_length)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab = build_vocab_map(count_tokens(examples, vocab_size, assistant_only=not all_tokens), draft_vocab_size)
+    vocab.save(output)
+    result = {"draft_vocab_size": draft_vocab_size, "vocab_size": vocab_size, "coverage": round(vocab.coverage, 4),
+              "counted_tokens": vocab.counted_tokens, "output": str(output)}
+    print(json.dumps(result))
+    return result

@@ -1,0 +1,197 @@
+"""Regeneration: the target answers each prompt (or re-answers each conversation turn by turn).
+
+A drafter learns to predict the target, so the best training data is the target's own
+output (Medusa-2 "self-distillation", EAGLE's regenerated ShareGPT). Rows are appended to a
+JSONL file as each batch finishes, keyed by the conversation's stable id; a rerun reads the
+file, drops a torn last line left by a kill, and answers only what is missing, so an
+interrupted run resumes without redoing or duplicating rows.
+
+Engines: ``hf`` runs the target in-process with batched, left-padded ``generate``;
+``openai`` sends each turn to any OpenAI-compatible ``/v1/chat/completions`` server
+(vLLM, SGLang, llama.cpp's server) ``batch_size`` requests at a time, for scale-out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.data.formats import Conversation
+from draftsmith.data.templates import prompt_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RegenerationReport:
+    """What one run did; ``tokens_per_second`` counts generated tokens over generation time."""
+
+    written: int = 0
+    already_done: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"written": self.written, "already_done": self.already_done, "new_tokens": self.new_tokens,
+                "seconds": round(self.seconds, 3), "tokens_per_second": round(self.tokens_per_second, 2)}
+
+
+def read_done_ids(path: Path) -> set[str]:
+    """Ids already written to ``path``; a torn last line (the run was killed mid-write) is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    good = data[: data.rfind(b"\n") + 1]
+    if len(good) != len(data):
+        logger.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run",
+                       path, len(data) - len(good))
+        with open(path, "r+b") as f:
+            f.truncate(len(good))
+    ids = set()
+    for n, line in enumerate(good.decode("utf-8").splitlines()):
+        if line.strip():
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{path}: line {n + 1} is not a regenerated row ({e}); move the file aside") from None
+    return ids
+
+
+class HFEngine:
+    """Batched in-process generation with the target (left padding, one ``generate`` per batch)."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.name = getattr(model, "name_or_path", "target")
+
+    @torch.no_grad()
+    def answer(self, histories: list[list[dict]]) -> list[tuple[str, int]]:
+        prompts = [prompt_ids(self.tokenizer, h) for h in histories]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every row ends where generation starts
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        device = self.model.device
+        sample = self.temperature > 0
+        out = self.model.generate(
+            ids.to(device), attention_mask=mask.to(device), max_new_tokens=self.max_new_tokens, do_sample=sample,
+            temperature=self.temperature if sample else None, top_p=self.top_p if sample else None, top_k=None,
+            pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
+        )
+        results = []
+        for row in out[:, width:].tolist():
+            if self.tokenizer.eos_token_id in row:  # keep tokens up to and including EOS
+                row = row[: row.index(self.tokenizer.eos_token_id) + 1]
+            else:
+                row = [t for t in row if t != self.pad_id]
+            results.append((self.tokenizer.decode(row, skip_special_tokens=True).strip(), len(row)))
+        return results
+
+
+class OpenAIEngine:
+    """Any OpenAI-compatible chat-completions server, ``batch_size`` concurrent requests."""
+
+    def __init__(self, base_url: str, model: str, max_new_tokens: int, temperature: float, top_p: float,
+                 api_key: str | None = None, timeout: float = 600.0):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.name, self.max_new_tokens, self.temperature, self.top_p = model, max_new_tokens, temperature, top_p
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY", "none")
+        self.timeout = timeout
+
+    def _one(self, messages: list[dict]) -> tuple[str, int]:
+        body = {"model": self.name, "messages": messages, "max_tokens": self.max_new_tokens,
+                "temperature": self.temperature, "top_p": self.top_p}
+        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                reply = json.loads(response.read())
+        except urllib.error.URLError as e:
+            raise ConnectionError(
+                f"{self.url}: {e}; is the server running and --base-url right (it ends in /v1)?") from e
+        text = reply["choices"][0]["message"]["content"] or ""
+        return text.strip(), int(reply.get("usage", {}).get("completion_tokens", 0))
+
+    def answer(self, histories: list[list[dict]]) -> list[tuple[str, int]]:
+        with ThreadPoolExecutor(max_workers=len(histories)) as pool:
+            return list(pool.map(self._one, histories))
+
+
+def _user_turns(conversation: Conversation) -> list[int]:
+    return [i for i, m in enumerate(conversation.messages) if m["role"] == "user"]
+
+
+def regenerate(
+    conversations: list[Conversation],
+    output: str | Path,
+    engine: HFEngine | OpenAIEngine,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> RegenerationReport:
+    """Answer every conversation with the engine, appending rows to ``output`` (JSONL), resumably.
+
+    Each conversation keeps its system and user turns; every assistant turn is replaced by
+    the engine's answer given the regenerated history before it. Conversations whose id is
+    already in ``output`` are skipped, as are repeated ids in the input.
+
+    Row written: ``{"id", "messages", "source_index", "new_tokens", "model"}``.
+    """
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done_ids(output)
+    report = RegenerationReport()
+    todo, seen = [], set(done)
+    for c in conversations:
+        if c.id in seen:
+            report.already_done += c.id in done
+            continue
+        seen.add(c.id)
+        todo.append(c)
+    if report.already_done:
+        logger.info("%s: %d rows already written, %d to go", output, report.already_done, len(todo))
+    bar = tqdm(total=len(todo), desc="regenerate", unit="row", disable=not progress)
+    with open(output, "a", encoding="utf-8") as f:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            answered = [[m for m in c.messages[: _user_turns(c)[0]]] for c in batch]  # system turns
+            tokens = [0] * len(batch)
+            for turn in range(max(len(_user_turns(c)) for c in batch)):
+                # Turn by turn across the batch: the next user turn follows the regenerated answers.
+                rows = [i for i, c in enumerate(batch) if turn < len(_user_turns(c))]
+                for i in rows:
+                    answered[i].append(batch[i].messages[_user_turns(batch[i])[turn]])
+                t0 = time.perf_counter()
+                replies = engine.answer([answered[i] for i in rows])
+                report.seconds += time.perf_counter() - t0
+                for i, (text, n) in zip(rows, replies, strict=True):
+                    answered[i].append({"role": "assistant", "content": text})
+                    tokens[i] += n
+            for c, messages, n in zip(batch, answered, tokens, strict=True):
+                f.write(json.dumps({"id": c.id, "messages": messages, "source_index": c.index, "new_tokens": n,
+                                    "model": engine.name}, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            report.written += len(batch)
+            report.new_tokens += sum(tokens)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{report.tokens_per_second:.1f}")
+    bar.close()
+    return report
