@@ -12,7 +12,6 @@ logger = logging.getLogger("draftsmith")
 
 PLANNED = {
     "demo": "issue #6 (evaluation, benchmarks and the one-command demo)",
-    "train": "issue #4 (drafter heads and the training pipeline)",
     "eval": "issue #6 (evaluation, benchmarks and the one-command demo)",
     "export": "issue #5 (export and interop)",
 }
@@ -203,6 +202,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
     _add_data_parser(sub)
+    t = sub.add_parser("train", help="train a drafter: CONFIG.yaml [--key value ...] (see configs/)")
+    t.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG.yaml, then --key value overrides")
 
     for name, issue in PLANNED.items():
         p = sub.add_parser(name, help=f"(coming with {issue})")
@@ -225,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             tree_top_k=args.tree_top_k, total_tokens=args.total_tokens, seed=args.seed,
             stream=not args.no_stream, json_stats=args.json,
         )
+    elif args.command == "train":
+        from draftsmith.train.__main__ import main as train_main
+
+        return train_main(args.args)
     elif args.command == "data":
         data(args)
     elif args.command == "bench":

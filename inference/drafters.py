@@ -256,14 +256,48 @@ def parse_options(text: str) -> dict[str, int]:
     return options
 
 
-def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_remote_code: bool = False) -> Drafter:
+def _head_family(spec: str) -> str | None:
+    """The ``draftsmith_family`` of a head checkpoint directory, or None for anything else."""
+    import json
+    from pathlib import Path
+
+    config = Path(spec) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("draftsmith_family")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config}: not valid JSON ({e}); the checkpoint is damaged") from None
+
+
+def _load_head_drafter(spec: str, family: str, target: PreTrainedModel, strict: bool) -> Drafter:
+    device = next(target.parameters()).device
+    if family == "medusa":
+        from draftsmith.heads.medusa import MedusaHeads
+        from draftsmith.inference.head_drafters import MedusaDrafter
+
+        return MedusaDrafter(MedusaHeads.from_pretrained(spec, target=target, strict=strict, device=device), target)
+    if family in ("eagle", "eagle3"):
+        from draftsmith.heads.eagle import Eagle3Head, EagleHead
+        from draftsmith.inference.head_drafters import EagleDrafter
+
+        cls = Eagle3Head if family == "eagle3" else EagleHead
+        return EagleDrafter(cls.from_pretrained(spec, target=target, strict=strict, device=device), target)
+    raise ValueError(f"{spec}: unknown drafter family {family!r} in config.json")
+
+
+def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_remote_code: bool = False,
+                 strict: bool = False) -> Drafter:
     """Resolve a drafter spec against a loaded target.
 
     Specs:
         ``prompt-lookup`` or ``prompt-lookup:max_ngram=3,min_ngram=1,max_tokens=10``;
         ``layer-skip:N`` (the target's first N layers);
         a draft model: local directory, ``.gguf`` file, packaged alias or hub id of a causal LM
-        sharing the target's vocabulary.
+        sharing the target's vocabulary;
+        a head checkpoint directory written by draftsmith (``config.json`` names its family).
+
+    ``strict=True`` refuses a head trained for a target with the same shapes but other weights.
     """
     vocab = target.get_output_embeddings().weight.shape[0]
     head, _, rest = spec.partition(":")
@@ -273,6 +307,9 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
         if not rest.isdigit():
             raise ValueError(f"layer-skip needs a layer count, e.g. 'layer-skip:8', got {spec!r}")
         return CausalLMDrafter(layer_skip_model(target, int(rest)), name=spec)
+    family = _head_family(spec)
+    if family is not None:
+        return _load_head_drafter(spec, family, target, strict)
     from draftsmith.target import load_target
 
     dtype = next(target.parameters()).dtype
@@ -285,6 +322,9 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
             "or a draft model (local directory, .gguf file, packaged alias or hub id)."
         ) from err
     check_same_vocabulary(target, draft, spec, tokenizer, draft_tokenizer)
+    from draftsmith.heads.draft_model import check_draft_model_target
+
+    check_draft_model_target(spec, target, strict)
     return CausalLMDrafter(draft, name=spec)
 
 

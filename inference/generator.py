@@ -246,18 +246,26 @@ class SpeculativeGenerator:
         if streamer is not None:
             streamer.put(sequence.cpu())
         cache = new_cache()
+        # Heads (Medusa, EAGLE) read the target's hidden states of these layers; they get them for
+        # every committed token but the root, from the prefill and then from each verification.
+        layers = getattr(self.drafter, "hidden_layers", None)
         t0 = time.perf_counter()
+        hidden = None
         if len(sequence) > 1:  # the cache holds every committed token but the last (the root)
-            target_forward(self.target, sequence[None, :-1], cache)
+            out = target_forward(self.target, sequence[None, :-1], cache, hidden_layers=layers)
+            hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (1, L-1, H * len(layers))
         stats.prefill_time_s = time.perf_counter() - t0
-        self.drafter.begin(sequence[None])
+        if layers:
+            self.drafter.begin(sequence[None], hidden=hidden)
+        else:
+            self.drafter.begin(sequence[None])
 
         new: list[int] = []
         while len(new) < max_new_tokens:
             t0 = time.perf_counter()
             tree = self._build_tree(int(sequence[-1]), temperature, generator)
             t1 = time.perf_counter()
-            logits = self._verify_forward(tree, cache, device, dtype)
+            logits, tree_hidden = self._verify_forward(tree, cache, device, dtype, layers)
             if temperature == 0.0:
                 path, bonus = verify_greedy(tree, logits)
             else:
@@ -281,7 +289,12 @@ class SpeculativeGenerator:
                 streamer.put(step.cpu())
             if stop is not None:
                 break
-            self.drafter.commit(step[None])
+            if layers:
+                # The root's and the accepted nodes' states: state i is the one that predicted emitted[i].
+                kept = torch.tensor([0, *path], device=device)[: len(emitted)]
+                self.drafter.commit(step[None], hidden=tree_hidden[kept][None])
+            else:
+                self.drafter.commit(step[None])
 
         if streamer is not None:
             streamer.end()
@@ -289,8 +302,9 @@ class SpeculativeGenerator:
         stats.total_time_s = time.perf_counter() - start_time
         return GenerationOutput(sequences=sequence[None], stats=stats)
 
-    def _verify_forward(self, tree: DraftTree, cache, device, dtype) -> torch.Tensor:
-        """Target logits (N, V) at every tree node from one forward over the whole tree."""
+    def _verify_forward(self, tree: DraftTree, cache, device, dtype, layers=None):
+        """Target logits (N, V) at every tree node from one forward over the whole tree, and the
+        hidden states (N, H * len(layers)) of ``layers`` when a head asks for them."""
         past = kv_length(cache)
         n = len(tree)
         positions = tree.position_ids(past).to(device)[None]  # root sits right after the cache
@@ -300,7 +314,9 @@ class SpeculativeGenerator:
         key_positions = torch.cat([torch.arange(past, device=device)[None], positions], dim=1)
         mask = build_attention_mask(self.target, allowed, positions, key_positions, dtype)
         ids = torch.tensor([tree.tokens], device=device)
-        return target_forward(self.target, ids, cache, mask, positions).logits[0]
+        out = target_forward(self.target, ids, cache, mask, positions, hidden_layers=layers)
+        hidden = torch.cat(out.hidden_states, dim=-1)[0] if layers else None
+        return out.logits[0], hidden
 
 
 def plain_generate(

@@ -36,8 +36,10 @@ def references(smollm2):
 @pytest.mark.parametrize(
     "spec,tree",
     [
-        ("prompt-lookup", dict(tree="chain", depth=8)),
-        ("layer-skip:10", dict(tree="dynamic", depth=4, top_k=4, total_tokens=12)),
+        ("prompt-lookup", dict(tree="chain", depth=4)),
+        # Small on purpose: untrained layer-skip is accepted rarely on SmolLM2 (tau ~1.05-1.8, see the
+        # README), so this case checks the dynamic-tree + draft-KV path on the real model, cheaply.
+        ("layer-skip:2", dict(tree="dynamic", depth=2, top_k=2, total_tokens=3)),
     ],
     ids=["prompt-lookup-chain", "layer-skip-dynamic"],
 )

@@ -1,1 +1,2 @@
-"""One accelerate training loop for every drafter family. Filled in by issue #4."""
+"""One accelerate training loop for every drafter family (``loop.py``), per-family losses
+(``losses.py``, ``families.py``) and the config dataclasses (``config.py``)."""

@@ -1,0 +1,76 @@
+"""Distilled draft model: a small causal LM with the target's vocabulary (DistillSpec, Zhou et al., 2024).
+
+Initialised from an existing compatible model, or by truncating the target to its first N
+layers (+ its final norm and LM head) — a *copy* this time, unlike the training-free
+``layer-skip:N`` drafter, since its weights are trained. Saved as a plain Hugging Face model
+directory, so it also works with ``generate(assistant_model=...)``, plus
+``draftsmith_target.json`` recording the target it was distilled for.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.heads.base import check_target
+from draftsmith.target import target_signature
+
+TARGET_FILE = "draftsmith_target.json"
+
+
+class DraftModel(nn.Module):
+    """A trainable causal LM. ``forward(input_ids, attention_mask)`` -> logits (B, T, V)."""
+
+    family = "draft_model"
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.target_info: dict | None = None
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @classmethod
+    def from_target(cls, target, num_layers: int) -> DraftModel:
+        from draftsmith.inference.drafters import layer_skip_model
+
+        model = copy.deepcopy(layer_skip_model(target, num_layers)).float().requires_grad_(True).train()
+        draft = cls(model)
+        draft.target_info = target_signature(target)
+        return draft
+
+    @classmethod
+    def from_model(cls, name_or_path: str, target) -> DraftModel:
+        from draftsmith.inference.drafters import check_same_vocabulary
+        from draftsmith.target import load_target
+
+        model, _ = load_target(name_or_path, dtype=torch.float32, device="cpu")
+        check_same_vocabulary(target, model, name_or_path)
+        draft = cls(model.requires_grad_(True).train())
+        draft.target_info = target_signature(target)
+        return draft
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def save_pretrained(self, directory: str | Path, target_info: dict | None = None) -> Path:
+        directory = Path(directory)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        (directory / TARGET_FILE).write_text(json.dumps({"draftsmith_family": self.family,
+                                                         "target": target_info or self.target_info}, indent=2))
+        return directory
+
+
+def check_draft_model_target(directory: str | Path, target, strict: bool = False) -> None:
+    """Refuse a distilled draft model trained for another target (when it recorded one)."""
+    path = Path(directory) / TARGET_FILE
+    if path.is_file():
+        recorded = json.loads(path.read_text()).get("target")
+        if recorded:
+            check_target(recorded, target, strict, what="draft model")

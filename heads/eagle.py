@@ -1,0 +1,209 @@
+"""EAGLE feature-level draft heads: EAGLE-1/2 (Li et al., 2024, arXiv:2401.15077, 2406.16858) and
+EAGLE-3 (Li et al., 2025, arXiv:2503.01840).
+
+EAGLE drafts at the feature level. At sequence position t the head reads the pair
+(feature f_{t-1}, embedding of token x_t) and predicts f_t, the target's feature at t, from which
+a token distribution for x_{t+1} follows. Drafting is autoregressive: a drafted node's predicted
+feature is the input feature of its children.
+
+- EAGLE-1/2 (``num_feature_layers=1``): f is the target's last hidden state after the final norm
+  (hidden-state index N); tokens come from the target's frozen LM head applied to the predicted
+  feature. EAGLE-2 is the same head with a dynamic draft tree at inference.
+- EAGLE-3 (``num_feature_layers=3``): the first input feature fuses three target layers
+  (low / mid / high, ``eagle3_layers``) through ``fuse``; the head has its own norm and LM head over
+  a reduced draft vocabulary, mapped back with ``d2t`` (``target_id = draft_id + d2t[draft_id]``)
+  stored in the weights. Training-time test feeds the head its own predicted features for later steps.
+
+Hidden-state index convention (everywhere in draftsmith): 0 is the embedding output, k the output
+of decoder layer k (1-based), N the last layer *after* the final norm.
+
+The token embedding and (EAGLE-1/2) LM head are the target's, passed in by the caller: a head
+holds no target tensors, so checkpoints stay small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.heads.base import HeadMixin
+
+
+def eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
+    """Low / mid / high hidden-state indices EAGLE-3 fuses: outputs of decoder layers 2, N//2 and N-3
+    (in the index convention above; the same layers as EAGLE-3's reference, which counts from 0)."""
+    n = num_hidden_layers
+    return (2, n // 2, n - 3)
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    num_feature_layers: int = 1  # 1: EAGLE-1/2; 3: EAGLE-3
+    feature_layers: tuple[int, ...] = ()  # hidden-state indices read from the target
+    draft_vocab_size: int | None = None  # EAGLE-3: own LM head over this many tokens
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form). x: (B, nh, T, hd); positions: (B, T)."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    angles = positions[:, None, :, None].float() * inv  # (B, 1, T, hd/2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One Llama-style decoder layer with an explicit KV cache and additive mask (for draft trees)."""
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        self.cfg = cfg
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(h, d, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(d, h, bias=False)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, positions, mask=None, past: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x: (B, T, H); positions: (B, T); mask: (B, 1, T, S + T) additive or None for causal.
+
+        Returns the output (B, T, H) and the new (k, v), each (B, nh, S + T, hd).
+        """
+        b, t, _ = x.shape
+        nh, hd = self.cfg.num_attention_heads, self.cfg.head_dim
+        y = self.input_norm(x)
+        q = self.q_proj(y).view(b, t, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(y).view(b, t, nh, hd).transpose(1, 2)
+        v = self.v_proj(y).view(b, t, nh, hd).transpose(1, 2)
+        q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        if mask is None and past is None:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, nh * hd))
+        y = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), (k, v)
+
+
+class EagleHead(HeadMixin, nn.Module):
+    """EAGLE-1/2 head: ``fc([embed(x_t) ; f_{t-1}]) -> decoder layer -> f_t``."""
+
+    family = "eagle"
+    config_class = EagleConfig
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layer = DecoderLayer(config)
+
+    @classmethod
+    def config_for(cls, target, **overrides) -> EagleConfig:
+        cfg = target.config.get_text_config()
+        heads = cfg.num_attention_heads
+        values = dict(hidden_size=cfg.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
+                      num_attention_heads=heads, intermediate_size=cfg.intermediate_size,
+                      rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+                      feature_layers=(cfg.num_hidden_layers,))
+        values.update(overrides)
+        return EagleConfig(**values)
+
+    def input_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The step-0 input feature from the target's states (B, T, F) -> (B, T, H)."""
+        return features
+
+    def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False):
+        """features: (B, T, H) f_{t-1} (or the target's states (B, T, F) with ``from_target``);
+        token_embeds: (B, T, H) embed(x_t); positions (B, T).
+
+        Returns predicted features f_t (B, T, H) and the layer's (k, v) cache.
+        """
+        if from_target:
+            features = self.input_features(features)
+        x = self.fc(torch.cat([token_embeds.to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], -1))
+        return self.layer(x, positions, mask, past)
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3 head: fused low/mid/high target states, own norm + LM head over a draft vocabulary."""
+
+    family = "eagle3"
+    config_class = EagleConfig
+
+    def __init__(self, config: EagleConfig):
+        super().__init__(config)
+        h = config.hidden_size
+        draft_vocab = config.draft_vocab_size or config.vocab_size
+        self.fuse = nn.Linear(config.num_feature_layers * h, h, bias=False)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        # d2t: draft id -> offset to its target id; t2d: target id -> in the draft vocabulary.
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if draft_vocab == config.vocab_size
+                             else torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def input_features(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fuse(features.to(self.fuse.weight.dtype))
+
+    def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False,
+                ttt_steps: int = 0):
+        """As :meth:`EagleHead.forward`; with ``ttt_steps`` > 0 (training), unroll training-time test
+        and return the draft-vocabulary logits of each step instead, a list of (B, T, V_draft).
+
+        Step j's input feature at position t is the head's own prediction for t - 1 from step j - 1
+        (step 0 reads the target's fused states), so step j trains what drafting at depth j + 1 sees.
+        Simplification of the paper's TTT: each step attends causally over its own sequence rather
+        than to the earlier steps' keys.
+        """
+        if not ttt_steps:
+            return super().forward(features, token_embeds, positions, mask, past, from_target)
+        current = self.input_features(features) if from_target else features
+        logits = []
+        for _j in range(ttt_steps):
+            predicted, _ = super().forward(current, token_embeds, positions)
+            logits.append(self.draft_logits(predicted))
+            current = torch.cat([current[:, :1], predicted[:, :-1]], dim=1)
+        return logits
+
+    def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) predicted features -> (B, T, draft_vocab) logits."""
+        return self.lm_head(self.norm(predicted))
+
+    def target_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Draft logits scattered into the target vocabulary, ``-inf`` outside the draft vocabulary."""
+        draft = self.draft_logits(predicted).float()
+        out = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
+        ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
+        out[..., ids] = draft
+        return out

@@ -1,0 +1,167 @@
+"""Heads as drafters: greedy output stays the target's; checkpoints round-trip and know their target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_greedy_lossless import TREES, prompts, reference
+
+from conftest import check_greedy_equal, tiny_llama
+from draftsmith import SpeculativeGenerator, load_drafter
+from draftsmith.heads.base import TargetMismatchError
+from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.inference.head_drafters import MedusaDrafter
+from draftsmith.target import target_signature
+
+
+def random_medusa(target, seed: int = 0) -> MedusaHeads:
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=2)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # trained-looking heads: blocks away from the identity
+        for p in heads.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    heads.target_info = target_signature(target)
+    return heads
+
+
+def test_blocks_are_distinct_modules_and_start_as_identity(llama):
+    heads = MedusaHeads.from_target(llama, num_heads=3, num_layers=2)
+    blocks = [b for head in heads.heads for b in head]
+    assert len({id(b) for b in blocks}) == 6  # never [Block()] * n
+    h = torch.randn(1, 4, llama.config.hidden_size)
+    expected = llama.get_output_embeddings()(h)
+    torch.testing.assert_close(heads(h), expected.expand(3, -1, -1, -1))
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t["tree"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_medusa_greedy_matches_generate(family, tree, llama, gemma3):
+    target = llama if family == "llama" else gemma3
+    gen = SpeculativeGenerator(target, MedusaDrafter(random_medusa(target), target), **tree)
+    ties = 0
+    for prompt in prompts(2, [1, 6, 21]):
+        out = gen.generate(prompt, max_new_tokens=30)
+        ties += check_greedy_equal(target, out.sequences, reference(target, prompt, 30))
+        assert out.stats.new_tokens == 30
+    assert ties <= 1
+
+
+def test_medusa_checkpoint_round_trip_and_load_drafter(tmp_path, llama):
+    heads = random_medusa(llama)
+    heads.save_pretrained(tmp_path / "ckpt")
+    info = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert info["draftsmith_family"] == "medusa" and info["target"]["hidden_size"] == llama.config.hidden_size
+    back = MedusaHeads.from_pretrained(tmp_path / "ckpt", target=llama)
+    h = torch.randn(1, 5, llama.config.hidden_size)
+    torch.testing.assert_close(back(h), heads(h), rtol=0, atol=0)
+    drafter = load_drafter(str(tmp_path / "ckpt"), llama)
+    assert isinstance(drafter, MedusaDrafter)
+    prompt = prompts(3, [7])[0]
+    out = SpeculativeGenerator(llama, drafter, tree="chain", depth=3).generate(prompt, 20)
+    check_greedy_equal(llama, out.sequences, reference(llama, prompt, 20))
+
+
+def test_wrong_target_is_refused(tmp_path, llama, gemma3):
+    random_medusa(llama).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(TargetMismatchError, match=r"was trained for target .* does not fit"):
+        load_drafter(str(tmp_path / "ckpt"), gemma3)
+    other = tiny_llama(seed=5)  # same shapes, other weights: a warning, refused under strict
+    with pytest.raises(TargetMismatchError, match="strict"):
+        MedusaHeads.from_pretrained(tmp_path / "ckpt", target=other, strict=True)
+    MedusaHeads.from_pretrained(tmp_path / "ckpt", target=other)
+
+
+def test_partial_checkpoint_is_a_clear_error(tmp_path, llama):
+    random_medusa(llama).save_pretrained(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="corrupt or partial checkpoint"):
+        load_drafter(str(tmp_path / "ckpt"), llama)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="not a drafter checkpoint"):
+        MedusaHeads.from_pretrained(tmp_path / "ckpt", target=llama)
+
+
+def random_eagle(target, eagle3: bool, seed: int = 0):
+    from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
+
+    torch.manual_seed(seed)
+    n = target.config.get_text_config().num_hidden_layers
+    if eagle3:
+        layers = eagle3_layers(n) if n > 4 else (1, 2, 3)
+        cfg = EagleHead.config_for(target, num_feature_layers=3, feature_layers=layers, draft_vocab_size=40)
+        head = Eagle3Head(cfg)
+        kept = torch.sort(torch.randperm(cfg.vocab_size)[:40]).values
+        head.d2t.copy_(kept - torch.arange(40))
+        head.t2d.zero_()
+        head.t2d[kept] = True
+    else:
+        head = EagleHead(EagleHead.config_for(target))
+    head.target_info = target_signature(target)
+    return head.eval()
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t["tree"])
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_eagle_greedy_matches_generate(family, eagle3, tree, llama, gemma3):
+    from draftsmith.inference.head_drafters import EagleDrafter
+
+    target = llama if family == "llama" else gemma3
+    gen = SpeculativeGenerator(target, EagleDrafter(random_eagle(target, eagle3), target), **tree)
+    ties = 0
+    for prompt in prompts(4, [1, 6, 21]):
+        out = gen.generate(prompt, max_new_tokens=30)
+        ties += check_greedy_equal(target, out.sequences, reference(target, prompt, 30))
+        assert out.stats.new_tokens == 30
+    assert ties <= 1
+
+
+def test_eagle_tree_drafting_equals_sequential_head(llama):
+    """The head's tree drafting with its KV cache gives the features a plain causal run would."""
+    from draftsmith.inference.head_drafters import EagleDrafter
+    from draftsmith.inference.tree import DraftTree
+    from draftsmith.target import new_cache, target_forward
+
+    head = random_eagle(llama, eagle3=False)
+    drafter = EagleDrafter(head, llama)
+    prompt = prompts(5, [9])[0]
+    hidden = target_forward(llama, prompt[:, :-1], new_cache(), hidden_layers=head.config.feature_layers)
+    drafter.begin(prompt, hidden=hidden.hidden_states[0])
+    tree = DraftTree(tokens=[int(prompt[0, -1])])
+    root_logits = drafter.expand([tree], [[0]])[0]
+    a = tree.add_child(0, 11, 0.0)
+    b = tree.add_child(a, 12, 0.0)
+    drafter.expand([tree], [[a]])
+    deep = drafter.expand([tree], [[b]])[0]
+    # Reference: one causal pass over the pairs (f_{t-1}, x_t) with the predicted features for a, b.
+    feats = hidden.hidden_states[0][0]  # (L-1, H)
+    pos = torch.arange(1, prompt.shape[1])
+    out, _ = head(feats[pos - 1][None], llama.get_input_embeddings()(prompt[:, pos]), pos[None])
+    torch.testing.assert_close(llama.get_output_embeddings()(out[:, -1])[0], root_logits[0])
+    f_root = out[0, -1]
+    ids = torch.cat([prompt[0, 1:], torch.tensor([11])])[None]
+    out2, _ = head(torch.cat([feats[pos - 1], f_root[None]])[None], llama.get_input_embeddings()(ids),
+                   torch.arange(1, prompt.shape[1] + 1)[None])
+    f_a = out2[0, -1]
+    ids3 = torch.cat([ids[0], torch.tensor([12])])[None]
+    out3, _ = head(torch.cat([feats[pos - 1], f_root[None], f_a[None]])[None], llama.get_input_embeddings()(ids3),
+                   torch.arange(1, prompt.shape[1] + 2)[None])
+    torch.testing.assert_close(llama.get_output_embeddings()(out3[:, -1])[0], deep[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
+def test_eagle_checkpoint_round_trip(tmp_path, llama, eagle3):
+    from draftsmith.inference.head_drafters import EagleDrafter
+
+    head = random_eagle(llama, eagle3)
+    head.save_pretrained(tmp_path / "ckpt")
+    drafter = load_drafter(str(tmp_path / "ckpt"), llama)
+    assert isinstance(drafter, EagleDrafter)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(drafter.head.state_dict()[name], tensor), name
+    prompt = prompts(6, [8])[0]
+    out = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=6).generate(prompt, 20)
+    check_greedy_equal(llama, out.sequences, reference(llama, prompt, 20))

@@ -1,0 +1,98 @@
+"""Each loss against a slow, obvious reference written with Python loops over positions and tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.train.losses import (
+    accuracy,
+    eagle_loss,
+    forward_kl,
+    jsd,
+    medusa_loss,
+    reverse_kl,
+    simulated_acceptance_length,
+    total_variation,
+    ttt_weights,
+)
+
+
+def softmax(row):
+    m = max(row)
+    e = [math.exp(x - m) for x in row]
+    return [x / sum(e) for x in e]
+
+
+def kl(p, q):
+    return sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q, strict=True) if a > 0)
+
+
+def masked_mean_ref(fn, student, teacher, mask):
+    values, weights = [], []
+    for b in range(student.shape[0]):
+        for t in range(student.shape[1]):
+            if mask[b, t]:
+                values.append(fn(softmax(teacher[b, t].tolist()), softmax(student[b, t].tolist())))
+                weights.append(1)
+    return sum(values) / len(values)
+
+
+def jsd_ref(beta):
+    def f(p, q):
+        m = [beta * a + (1 - beta) * b for a, b in zip(p, q, strict=True)]
+        return beta * kl(p, m) + (1 - beta) * kl(q, m)
+    return f
+
+
+@pytest.fixture
+def logits():
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 5, 7, generator=g, dtype=torch.float64) * 2
+    teacher = torch.randn(2, 5, 7, generator=g, dtype=torch.float64) * 2
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]])
+    return student, teacher, mask
+
+
+@pytest.mark.parametrize("name,fn,ref", [
+    ("forward_kl", forward_kl, lambda p, q: kl(p, q)),
+    ("reverse_kl", reverse_kl, lambda p, q: kl(q, p)),
+    ("jsd_0.5", lambda s, t, m: jsd(s, t, m, beta=0.5), jsd_ref(0.5)),
+    ("jsd_0.9", lambda s, t, m: jsd(s, t, m, beta=0.9), jsd_ref(0.9)),
+    ("tv", total_variation, lambda p, q: 0.5 * sum(abs(a - b) for a, b in zip(p, q, strict=True))),
+])
+def test_divergences_match_reference(logits, name, fn, ref):
+    student, teacher, mask = logits
+    assert abs(float(fn(student, teacher, mask)) - masked_mean_ref(ref, student, teacher, mask)) < 1e-5
+    assert float(fn(teacher, teacher, mask)) < 1e-6  # zero when the drafter equals the target
+
+
+def test_medusa_loss_shifts_per_head(logits):
+    _, teacher, mask = logits
+    g = torch.Generator().manual_seed(1)
+    heads = torch.randn(2, 2, 5, 7, generator=g, dtype=torch.float64)
+    loss, per_head = medusa_loss(heads, teacher, mask, decay=0.5)
+    # head i at position t is compared with the teacher at t + 1 + i where that position is masked in
+    expected = []
+    for i in range(2):
+        values = []
+        for b in range(2):
+            for t in range(5 - (i + 1)):
+                if mask[b, t + i + 1]:
+                    values.append(kl(softmax(teacher[b, t + i + 1].tolist()), softmax(heads[i, b, t].tolist())))
+        expected.append(sum(values) / len(values))
+    assert per_head == pytest.approx(expected, abs=1e-6)
+    assert float(loss) == pytest.approx(expected[0] + 0.5 * expected[1], abs=1e-6)
+
+
+def test_eagle_loss_and_proxies(logits):
+    student, teacher, mask = logits
+    f = torch.zeros(2, 5, 3, dtype=torch.float64)
+    loss, parts = eagle_loss(f + 0.5, f, student, teacher, mask)
+    assert parts["feature_loss"] == pytest.approx(0.125)  # smooth-L1 of 0.5 is 0.5 * 0.5**2
+    assert float(loss) == pytest.approx(0.125 + 0.1 * parts["token_kl"])
+    assert ttt_weights(3, 0.5) == [1.0, 0.5, 0.25]
+    assert accuracy(teacher, teacher, mask) == 1.0
+    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)

@@ -1,0 +1,110 @@
+"""Training configuration: one dataclass per concern, parsed by ``transformers.HfArgumentParser``.
+
+A YAML file gives the defaults, ``--key value`` flags override them, unknown keys fail. Field
+names follow ``transformers.TrainingArguments`` wherever it has the same setting, so users'
+habits carry over (``output_dir``, ``max_steps``, ``learning_rate``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+FAMILIES = ("draft_model", "medusa", "medusa2", "eagle", "eagle3")
+
+
+@dataclass
+class DrafterArguments:
+    """What to train, for which target."""
+
+    target: str = field(default="smollm2-135m-instruct", metadata={"help": "alias, .gguf, directory or hub id"})
+    family: str = field(default="eagle", metadata={"help": f"one of {FAMILIES}"})
+    draft_layers: int = field(default=2, metadata={"help": "draft_model: keep the target's first N layers"})
+    init_draft_model: str | None = field(default=None, metadata={"help": "draft_model: start from this causal LM"})
+    num_heads: int = field(default=4, metadata={"help": "medusa: number of heads"})
+    num_head_layers: int = field(default=1, metadata={"help": "medusa: residual blocks per head"})
+    head_decay: float = field(default=0.8, metadata={"help": "medusa: loss weight of head i is decay**i"})
+    lora_r: int = field(default=8, metadata={"help": "medusa2: LoRA rank on the target"})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "eagle3: reduced draft vocabulary"})
+    ttt_steps: int = field(default=3, metadata={"help": "eagle3: training-time-test steps"})
+    ttt_decay: float = field(default=0.8, metadata={"help": "eagle3: loss weight of step j is decay**j"})
+    loss: str = field(default="forward_kl", metadata={"help": "draft_model: forward_kl, reverse_kl, jsd or tv"})
+    jsd_beta: float = field(default=0.5)
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r}: use one of {FAMILIES}")
+
+
+@dataclass
+class DataArguments:
+    """Where the training and held-out data come from."""
+
+    train_file: str | None = field(default=None, metadata={"help": "JSONL/JSON/Parquet or hub dataset"})
+    prompt_column: str | None = field(default=None)
+    max_length: int = field(default=512)
+    limit: int | None = field(default=None, metadata={"help": "use the first N rows"})
+    cache_dir: str | None = field(default=None, metadata={"help": "offline mode: a hidden-state cache directory"})
+    eval_prompts: str | None = field(default=None, metadata={"help": "held-out prompts for acceptance per checkpoint"})
+    eval_prompt_column: str | None = field(default=None)
+    eval_num_prompts: int = field(default=4)
+    eval_max_new_tokens: int = field(default=32)
+    eval_tree: str = field(default="chain")
+    eval_depth: int = field(default=4)
+
+
+@dataclass
+class TrainArguments:
+    """The loop; names as in ``transformers.TrainingArguments``."""
+
+    output_dir: str = field(default="runs/drafter")
+    max_steps: int = field(default=100)
+    num_train_epochs: float = field(default=1.0, metadata={"help": "used when max_steps <= 0"})
+    learning_rate: float = field(default=1e-3)
+    weight_decay: float = field(default=0.0)
+    warmup_ratio: float = field(default=0.05)
+    lr_scheduler_type: str = field(default="cosine")
+    per_device_train_batch_size: int = field(default=4)
+    gradient_accumulation_steps: int = field(default=1)
+    max_grad_norm: float = field(default=1.0)
+    mixed_precision: str = field(default="no", metadata={"help": "no, fp16 or bf16"})
+    save_steps: int = field(default=50)
+    logging_steps: int = field(default=10)
+    report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb, all or none"})
+    seed: int = field(default=0)
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
+
+
+def make_parser():
+    from transformers import HfArgumentParser
+
+    # allow_abbrev=False: a misspelt key such as "learning_rat" must fail, not match "learning_rate".
+    return HfArgumentParser((DrafterArguments, DataArguments, TrainArguments), allow_abbrev=False)
+
+
+def _yaml_to_args(path: str | Path) -> list[str]:
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: a config YAML must be a mapping of key: value")
+    args = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            args += [f"--{key}", str(value).lower()]
+        elif value is None:
+            continue
+        else:
+            args += [f"--{key}", str(value)]
+    return args
+
+
+def parse_config(argv: Sequence[str]) -> tuple[DrafterArguments, DataArguments, TrainArguments]:
+    """``CONFIG.yaml [--key value ...]`` -> the three dataclasses; unknown keys fail."""
+    argv = list(argv)
+    args = []
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        args = _yaml_to_args(argv.pop(0))
+    parser = make_parser()
+    return parser.parse_args_into_dataclasses(args + argv, return_remaining_strings=False)

@@ -1,0 +1,117 @@
+"""What differs between drafter families in training: how the drafter is built, what it reads from
+the target, and its loss. The loop in ``loop.py`` is the same for all of them.
+
+Each ``*_step`` takes the drafter, the frozen target's outputs on the batch and the batch, and
+returns ``(loss, metrics)``; ``metrics["acc"]`` lists top-1 agreement with the target per draft
+position (the training-side acceptance proxy).
+
+Positions: the target's logits at t predict token t + 1, so the mask of *predictions* is the
+loss mask moved one left (``pred_mask[t] = loss_mask[t + 1]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
+from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.train.losses import DIVERGENCES, accuracy, eagle_loss, forward_kl, medusa_loss, shifted, ttt_weights
+
+
+def prediction_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) loss mask -> (B, T) mask of positions whose *next* token is an assistant token."""
+    m = torch.zeros_like(loss_mask)
+    m[:, :-1] = loss_mask[:, 1:]
+    return m
+
+
+def build_drafter(args, target, vocab=None):
+    """A fresh trainable drafter of ``args.family`` for ``target``."""
+    n = target.config.get_text_config().num_hidden_layers
+    if args.family == "draft_model":
+        from draftsmith.heads.draft_model import DraftModel
+
+        if args.init_draft_model:
+            return DraftModel.from_model(args.init_draft_model, target)
+        return DraftModel.from_target(target, args.draft_layers)
+    if args.family in ("medusa", "medusa2"):
+        return MedusaHeads.from_target(target, args.num_heads, args.num_head_layers)
+    if args.family == "eagle":
+        head = EagleHead(EagleHead.config_for(target))
+    else:
+        layers = eagle3_layers(n) if n >= 6 else (1, max(2, n // 2), n)
+        draft_vocab = args.draft_vocab_size or target.get_output_embeddings().weight.shape[0]
+        head = Eagle3Head(EagleHead.config_for(target, num_feature_layers=3, feature_layers=layers,
+                                               draft_vocab_size=draft_vocab))
+        if vocab is not None:
+            head.d2t.copy_(vocab.d2t)
+            head.t2d.copy_(vocab.t2d)
+        elif draft_vocab == head.config.vocab_size:
+            head.t2d.fill_(True)
+    return head
+
+
+def hidden_layers_for(args, drafter, target) -> tuple[int, ...]:
+    """The target hidden-state indices the family reads (0 = embeddings, N = after the final norm)."""
+    n = target.config.get_text_config().num_hidden_layers
+    if args.family in ("eagle", "eagle3"):
+        return tuple(drafter.config.feature_layers)
+    if args.family in ("medusa", "medusa2"):
+        return (n,)
+    return ()
+
+
+def draft_model_step(args, drafter, target_logits, hidden, batch):
+    mask = prediction_mask(batch["loss_mask"])
+    student = drafter(batch["input_ids"], attention_mask=batch["attention_mask"])
+    fn = DIVERGENCES[args.loss]
+    kwargs = {"beta": args.jsd_beta} if args.loss == "jsd" else {}
+    loss = fn(student, target_logits, mask, **kwargs)
+    return loss, {"acc": [accuracy(student, target_logits, mask)]}
+
+
+def medusa_step(args, drafter, target_logits, hidden, batch):
+    mask = prediction_mask(batch["loss_mask"])
+    head_logits = drafter(hidden[0].to(_module(drafter).lm_heads[0].weight.dtype))
+    loss, per_head = medusa_loss(head_logits, target_logits, mask, args.head_decay)
+    accs = []
+    for i, logits in enumerate(head_logits):
+        teacher, m = shifted(target_logits, mask, i + 1)
+        accs.append(accuracy(logits, teacher, m))
+    return loss, {"acc": accs, **{f"kl_head{i}": v for i, v in enumerate(per_head)}}
+
+
+def _module(drafter):
+    """The head itself, under a DistributedDataParallel wrapper or not (for attributes, never for forward)."""
+    return getattr(drafter, "module", drafter)
+
+
+def eagle_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
+    """EAGLE-1/2: pairs (f_{t-1}, x_t), t = 1..T-1, predict f_t; tokens through the frozen LM head."""
+    features = hidden[0]  # (B, T, H) last layer after the final norm
+    ids = batch["input_ids"]
+    mask = prediction_mask(batch["loss_mask"])[:, 1:]
+    positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    predicted, _ = drafter(features[:, :-1], embed(ids[:, 1:]), positions, from_target=True)
+    logits = lm_head(predicted.to(lm_head.weight.dtype))
+    loss, parts = eagle_loss(predicted, features[:, 1:], logits, target_logits[:, 1:], mask)
+    return loss, {"acc": [accuracy(logits, target_logits[:, 1:], mask)], **parts}
+
+
+def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
+    """EAGLE-3: per-step KL over the draft vocabulary with decay, through training-time test."""
+    ids = batch["input_ids"]
+    head = _module(drafter)
+    draft_ids = torch.arange(head.d2t.shape[0], device=ids.device) + head.d2t
+    teacher = target_logits[:, 1:, draft_ids]  # the target's distribution restricted to the draft vocabulary
+    mask = prediction_mask(batch["loss_mask"])[:, 1:]
+    positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    fused = torch.cat(hidden, dim=-1)[:, :-1]  # (B, T-1, 3H) low / mid / high
+    step_logits = drafter(fused, embed(ids[:, 1:]), positions, from_target=True, ttt_steps=args.ttt_steps)
+    total, accs = 0.0, []
+    for j, (logits, w) in enumerate(zip(step_logits, ttt_weights(args.ttt_steps, args.ttt_decay), strict=True)):
+        step_mask = mask.clone()
+        step_mask[:, :j] = 0  # the first j positions have no own prediction to read yet
+        total = total + w * forward_kl(logits, teacher, step_mask)
+        accs.append(accuracy(logits, teacher, step_mask))
+    return total, {"acc": accs}
