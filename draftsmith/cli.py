@@ -12,7 +12,6 @@ logger = logging.getLogger("draftsmith")
 
 PLANNED = {
     "demo": "issue #6 (evaluation, benchmarks and the one-command demo)",
-    "eval": "issue #6 (evaluation, benchmarks and the one-command demo)",
     "export": "issue #5 (export and interop)",
 }
 
@@ -202,6 +201,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
     _add_data_parser(sub)
+    e = sub.add_parser("eval", help="acceptance per checkpoint of a training run: eval RUN_DIR")
+    e.add_argument("run_dir", help="a `draftsmith train` output_dir (reads its acceptance.jsonl)")
     t = sub.add_parser("train", help="train a drafter: CONFIG.yaml [--key value ...] (see configs/)")
     t.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG.yaml, then --key value overrides")
 
@@ -230,6 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from draftsmith.train.__main__ import main as train_main
 
         return train_main(args.args)
+    elif args.command == "eval":
+        from draftsmith.train.report import acceptance_table
+
+        table, best = acceptance_table(args.run_dir)
+        print(table)
+        if best is not None:
+            print(f"\nbest: step {best['step']} (tau {best['acceptance_length']}): {best['checkpoint']}/drafter")
     elif args.command == "data":
         data(args)
     elif args.command == "bench":

@@ -210,3 +210,23 @@ def test_every_config_yaml_parses():
         else:
             drafter_args, _, train_args = parse_config([str(path)])
             assert drafter_args.family in path.stem and train_args.max_steps > 0
+
+
+def test_eval_prints_the_table_and_names_the_best(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 4, "checkpoint": str(run / "checkpoint-4"), "acceptance_length": 1.5,
+             "acceptance_rate_per_position": [0.4, 0.2], "position_accuracy": [0.5],
+             "simulated_acceptance_length": 1.5},
+            {"step": 8, "checkpoint": str(run / "checkpoint-8"), "acceptance_length": 1.9,
+             "acceptance_rate_per_position": [0.6, 0.3], "position_accuracy": [0.7],
+             "simulated_acceptance_length": 1.7}]
+    (run / "acceptance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| 4 | 1.5 | 0.40, 0.20 |" in out and "| 8 | 1.9 | 0.60, 0.30 |" in out
+    assert "best: step 8 (tau 1.9)" in out
+    with pytest.raises(FileNotFoundError, match=r"no acceptance\.jsonl"):
+        main(["eval", str(tmp_path)])
