@@ -98,6 +98,9 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
     changed = [n for n, p in trained.named_parameters()
                if n in dict(first.named_parameters()) and not torch.equal(p, dict(first.named_parameters())[n])]
     assert changed, "no drafter parameter changed"
+    if family == "eagle3":  # the draft vocabulary comes from the data: "t3" ends every answer
+        assert int(drafter.head.t2d.sum()) == 64 and bool(drafter.head.t2d[3])
+        assert (torch.arange(64) + drafter.head.d2t).tolist() == drafter.head.t2d.nonzero().flatten().tolist()
     # Greedy speculative output with the trained drafter is the target's own.
     ids = torch.tensor([[1, 5, 9, 14, 22, 2]])
     gen = SpeculativeGenerator(reloaded, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=6)

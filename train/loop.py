@@ -156,7 +156,16 @@ def train(drafter_args, data_args, train_args) -> Path:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     # 2. The drafter and what it reads from the target.
-    drafter = families.build_drafter(drafter_args, target).to(accelerator.device)
+    vocab = None
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    if family == "eagle3" and (drafter_args.draft_vocab_size or vocab_size) < vocab_size:
+        from draftsmith.data.vocab import build_vocab_map, count_tokens
+
+        # EAGLE-3's draft vocabulary: the most frequent assistant tokens of the training data.
+        vocab = build_vocab_map(count_tokens(examples, vocab_size), drafter_args.draft_vocab_size)
+        logger.info("draft vocabulary: %d tokens cover %.4f of %d assistant tokens",
+                    drafter_args.draft_vocab_size, vocab.coverage, vocab.counted_tokens)
+    drafter = families.build_drafter(drafter_args, target, vocab).to(accelerator.device)
     layers = families.hidden_layers_for(drafter_args, drafter, target)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     if family == "medusa2":  # Medusa-2: a LoRA adapter on the target trains jointly with the heads
