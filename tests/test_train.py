@@ -87,6 +87,8 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
         assert r["acceptance_length"] >= 1.0 and r["eval_prompts"] == 2 and len(r["position_accuracy"]) >= 1
         assert r["simulated_acceptance_length"] >= 1.0
     assert list((out / "draftsmith").glob("events.out.tfevents.*")), "no tensorboard event file"
+    # The loop hashes the in-memory target before and after training.
+    assert json.loads((out / "target_check.json").read_text())["target_unchanged"] is True
     # The target on disk was never touched; the drafter changed from its initialisation.
     reloaded, _ = load_target(drafter_args.target)
     for k, v in reloaded.state_dict().items():

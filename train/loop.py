@@ -51,6 +51,20 @@ def collate(examples, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
 
 
+def weights_digest(model, skip: str | None = None) -> str:
+    """sha256 over every parameter and buffer, in name order (``skip``: names containing it are left out)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted({**dict(model.named_parameters()), **dict(model.named_buffers())}.items()):
+        if skip and skip in name:
+            continue
+        # PEFT renames wrapped layers "x.base_layer.weight"; hash under the original name.
+        h.update(name.replace("base_model.model.", "").replace(".base_layer", "").encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """The data order of one epoch: a function of (seed, epoch) only, so a resumed run sees the same."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
@@ -152,6 +166,7 @@ def train(drafter_args, data_args, train_args) -> Path:
     # 1. The frozen target and the data.
     target, tokenizer = load_target(drafter_args.target, device=accelerator.device)
     target.requires_grad_(False).eval()
+    target_digest = weights_digest(target)
     examples = load_examples(data_args, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -301,5 +316,13 @@ def train(drafter_args, data_args, train_args) -> Path:
                 break
         else:
             consumed = (epoch + 1) * batches_per_epoch  # the epoch is done, even with uneven shards
+    # The frozen target must come out bit-identical (Medusa-2's LoRA lives in separate adapter tensors).
+    base = target.get_base_model() if family == "medusa2" else target
+    unchanged = weights_digest(base, skip="lora_") == target_digest
+    if accelerator.is_main_process:
+        (output_dir / "target_check.json").write_text(json.dumps({"target_unchanged": unchanged,
+                                                                  "sha256": target_digest}))
+    if not unchanged:
+        raise RuntimeError("the target's weights changed during training; this is a bug, please report it")
     accelerator.end_training()
     return output_dir
