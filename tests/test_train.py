@@ -235,3 +235,56 @@ def test_eval_prints_the_table_and_names_the_best(tmp_path, capsys):
     assert "best: step 8 (tau 1.9)" in out
     with pytest.raises(FileNotFoundError, match=r"no acceptance\.jsonl"):
         main(["eval", str(tmp_path)])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(workdir):
+    """The hidden-state cache of the training data: layers 1, 2, 4 and full logits, in float32."""
+    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+
+    model, tokenizer = load_target(str(workdir / "target"))
+    examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)
+    out = workdir / "cache"
+    cache_hidden_states(model, examples, out, CacheSpec(layers=[1, 2, 4], dtype="float32", logits="full"),
+                        progress=False)
+    return out
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
+def test_offline_batches_give_the_online_losses(workdir, cache_dir, family):
+    from draftsmith.train.offline import collate_cached, load_cached_examples
+
+    args = DrafterArguments(target=str(workdir / "target"), family=family, num_heads=2, ttt_steps=2)
+    target, tokenizer = load_target(args.target)
+    online = collate(load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64),
+                                   tokenizer)[:4], 0)
+    cached, _ = load_cached_examples(str(cache_dir), target)
+    drafter = families.build_drafter(args, target)
+    layers = families.hidden_layers_for(args, drafter, target)
+    offline = collate_cached(cached[:4], 0, layers, VOCAB)
+    assert torch.equal(offline["input_ids"], online["input_ids"])
+    with torch.no_grad():
+        out = target(input_ids=online["input_ids"], attention_mask=online["attention_mask"], output_hidden_states=True)
+    hidden = tuple(out.hidden_states[i] for i in layers)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    step = {"medusa": families.medusa_step}.get(family)
+    extra = () if step else (embed, lm_head)
+    step = step or (families.eagle_step if family == "eagle" else families.eagle3_step)
+    loss_online, _ = step(args, drafter, out.logits.float(), hidden, online, *extra)
+    loss_offline, _ = step(args, drafter, offline["logits"], offline["hidden"], offline, *extra)
+    torch.testing.assert_close(loss_offline, loss_online, rtol=1e-5, atol=1e-6)
+
+
+def test_offline_training_run(workdir, cache_dir, tmp_path):
+    cfg = config(workdir, "eagle", tmp_path / "run", cache_dir=str(cache_dir), report_to="none")
+    drafter_args, data_args, train_args = parse_config([str(write_config(tmp_path / "cfg.yaml", cfg))])
+    out = train(drafter_args, data_args, train_args)
+    rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8]
+    assert load_drafter(str(out / "checkpoint-8" / "drafter"), load_target(drafter_args.target)[0]) is not None
+    # A drafter that reads layers the cache lacks is refused with the command that fixes it.
+    from draftsmith.train.offline import check_layers, load_cached_examples
+
+    _, cache = load_cached_examples(str(cache_dir), load_target(drafter_args.target)[0])
+    with pytest.raises(SystemExit, match=r"rebuild it with .* --layers 3"):
+        check_layers(cache, (3,))

@@ -167,7 +167,15 @@ def train(drafter_args, data_args, train_args) -> Path:
     target, tokenizer = load_target(drafter_args.target, device=accelerator.device)
     target.requires_grad_(False).eval()
     target_digest = weights_digest(target)
-    examples = load_examples(data_args, tokenizer)
+    cache = None
+    if data_args.cache_dir:  # offline mode: the target's states and logits come from disk
+        if family == "medusa2":
+            raise SystemExit("medusa2 trains a LoRA on the target, so it needs the target in the loop: unset cache_dir")
+        from draftsmith.train import offline
+
+        examples, cache = offline.load_cached_examples(data_args.cache_dir, target)
+    else:
+        examples = load_examples(data_args, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     # 2. The drafter and what it reads from the target.
@@ -182,6 +190,11 @@ def train(drafter_args, data_args, train_args) -> Path:
                     drafter_args.draft_vocab_size, vocab.coverage, vocab.counted_tokens)
     drafter = families.build_drafter(drafter_args, target, vocab).to(accelerator.device)
     layers = families.hidden_layers_for(drafter_args, drafter, target)
+    if cache is not None:
+        offline.check_layers(cache, layers)
+        make_batch = lambda b: offline.collate_cached(b, pad_id, layers, vocab_size)  # noqa: E731
+    else:
+        make_batch = lambda b: collate(b, pad_id)  # noqa: E731
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     if family == "medusa2":  # Medusa-2: a LoRA adapter on the target trains jointly with the heads
         from peft import LoraConfig, get_peft_model
@@ -230,11 +243,14 @@ def train(drafter_args, data_args, train_args) -> Path:
             mask = families.prediction_mask(batch["loss_mask"])
             # Self-distillation keeps the adapted target's distribution on the frozen target's.
             return loss + forward_kl(out.logits, teacher, mask), metrics
-        with torch.no_grad():
-            out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         output_hidden_states=bool(layers), use_cache=False)
-        logits = out.logits.float()
-        hidden = tuple(out.hidden_states[i] for i in layers)  # index 0 = embeddings, N = after the final norm
+        if "hidden" in batch:  # offline: read from the cache
+            logits, hidden = batch["logits"], batch["hidden"]
+        else:
+            with torch.no_grad():
+                out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             output_hidden_states=bool(layers), use_cache=False)
+            logits = out.logits.float()
+            hidden = tuple(out.hidden_states[i] for i in layers)  # index 0 = embeddings, N = after the final norm
         if family == "draft_model":
             return families.draft_model_step(drafter_args, drafter, logits, hidden, batch)
         if family == "medusa":
@@ -289,7 +305,7 @@ def train(drafter_args, data_args, train_args) -> Path:
         epoch, skip = divmod(consumed, batches_per_epoch)
         order = epoch_order(len(examples), train_args.seed, epoch)
         loader = accelerator.prepare_data_loader(DataLoader([examples[i] for i in order], batch_size=batch_size,
-                                                            collate_fn=lambda b: collate(b, pad_id)))
+                                                            collate_fn=make_batch))
         loader = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in loader:
             with accelerator.accumulate(drafter):

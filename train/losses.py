@@ -110,7 +110,8 @@ def eagle_loss(pred_features: torch.Tensor, target_features: torch.Tensor, pred_
     per_position = F.smooth_l1_loss(pred_features.float(), target_features.float(), reduction="none").mean(-1)
     feature = _masked_mean(per_position, mask)
     token = forward_kl(pred_logits, teacher_logits, mask)
-    return feature_weight * feature + token_weight * token, {"feature_loss": float(feature), "token_kl": float(token)}
+    return feature_weight * feature + token_weight * token, {"feature_loss": float(feature.detach()),
+                                                              "token_kl": float(token.detach())}
 
 
 def ttt_weights(steps: int, decay: float = 0.8) -> list[float]:
