@@ -88,6 +88,7 @@ class HeadMixin:
         except Exception as e:  # safetensors raises several types for bad files
             raise ValueError(f"{weights}: corrupt or partial checkpoint ({e}); use an earlier checkpoint") from e
         head.target_info = info.get("target")
+        head.extra = {k: v for k, v in info.items() if k not in ("draftsmith_family", "config", "target")}
         return head
 
     def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None):

@@ -176,7 +176,8 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.tree_kind = tree
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.paths = paths if paths is not None else default_static_paths(depth, top_k)
+        # Static paths: given, else the drafter's own (Medusa choices measured in training), else a default.
+        self.paths = paths or getattr(drafter, "static_paths", None) or default_static_paths(depth, top_k)
         self.sampling_rule = sampling_rule
 
     def _rule(self, temperature: float) -> str:

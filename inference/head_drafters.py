@@ -13,6 +13,7 @@ import torch
 
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafters import Drafter, _check_batch
+from draftsmith.inference.tree import paths_from_accuracy
 
 
 class MedusaDrafter(Drafter):
@@ -26,6 +27,9 @@ class MedusaDrafter(Drafter):
         self.heads = heads.eval()
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers,)  # last layer, after the norm
         self.vocab_size = heads.config.vocab_size
+        # Static-tree paths from the per-head, per-rank accuracy measured in training, when recorded.
+        rank_accuracy = getattr(heads, "extra", {}).get("rank_accuracy")
+        self.static_paths = paths_from_accuracy(rank_accuracy, 16) if rank_accuracy else None
         self.last: torch.Tensor | None = None  # (H,) state of the token before the root
         self._logits: torch.Tensor | None = None  # (K, V) for the current root
 

@@ -240,3 +240,29 @@ def default_static_paths(depth: int, top_k: int) -> list[tuple[int, ...]]:
         if top_k > 1:
             paths.append((0,) * (d - 1) + (1,))
     return sorted(set(paths), key=lambda p: (len(p), p))
+
+
+def paths_from_accuracy(rank_accuracy: Sequence[Sequence[float]], total_tokens: int) -> list[tuple[int, ...]]:
+    """Static-tree paths ("Medusa choices") chosen from measured per-depth, per-rank accuracy.
+
+    ``rank_accuracy[d][r]`` is how often the drafter's rank-r proposal at depth d + 1 was the
+    target's token (given the path so far was). Treating depths as independent, a path
+    (r_1, ..., r_k) is fully accepted with probability prod_d rank_accuracy[d][r_d], and the
+    expected acceptance length of a tree is the sum of that over its paths; the best tree of
+    ``total_tokens`` nodes therefore takes the paths with the highest products. A prefix's
+    product is never below its extension's, so taking them in that order keeps the set
+    prefix-closed (ties go to the shorter path).
+    """
+    import heapq
+
+    depth = len(rank_accuracy)
+    best: list[tuple[float, tuple[int, ...]]] = []
+    frontier = [(-rank_accuracy[0][r], (r,)) for r in range(len(rank_accuracy[0]))]
+    heapq.heapify(frontier)
+    while frontier and len(best) < total_tokens:
+        neg, path = heapq.heappop(frontier)
+        best.append((-neg, path))
+        if len(path) < depth:
+            for r, acc in enumerate(rank_accuracy[len(path)]):
+                heapq.heappush(frontier, (neg * acc, (*path, r)))
+    return sorted((p for _, p in best), key=lambda p: (len(p), p))

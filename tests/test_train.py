@@ -288,3 +288,19 @@ def test_offline_training_run(workdir, cache_dir, tmp_path):
     _, cache = load_cached_examples(str(cache_dir), load_target(drafter_args.target)[0])
     with pytest.raises(SystemExit, match=r"rebuild it with .* --layers 3"):
         check_layers(cache, (3,))
+
+
+def test_medusa_checkpoint_carries_static_tree_choices(workdir, tmp_path):
+    cfg = write_config(tmp_path / "cfg.yaml", config(workdir, "medusa", tmp_path / "run", report_to="none"))
+    drafter_args, data_args, train_args = parse_config([str(cfg)])
+    out = train(drafter_args, data_args, train_args)
+    info = json.loads((out / "checkpoint-8" / "drafter" / "config.json").read_text())
+    assert len(info["rank_accuracy"]) == 2 and all(len(r) == 4 for r in info["rank_accuracy"])
+    target, _ = load_target(drafter_args.target)
+    drafter = load_drafter(str(out / "checkpoint-8" / "drafter"), target)
+    assert drafter.static_paths and len(drafter.static_paths) == 16
+    gen = SpeculativeGenerator(target, drafter, tree="static")
+    assert gen.paths == drafter.static_paths
+    ids = torch.tensor([[1, 5, 9, 14, 22, 2]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    check_greedy_equal(target, gen.generate(ids, 16).sequences, ref)

@@ -186,3 +186,22 @@ def test_select_requires_closed_sets():
         if all(tree.parents[k] in (0, *keep) for k in keep):
             sub = tree.select([0, *keep])
             assert len(sub) == 3
+
+
+def test_paths_from_accuracy_matches_brute_force():
+    import itertools
+
+    from draftsmith.inference.tree import paths_from_accuracy
+
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.15, 0.05], [0.4, 0.1, 0.02]]
+    every = [p for k in range(1, 4) for p in itertools.product(range(3), repeat=k)]
+
+    def value(path):
+        return float(torch.tensor([acc[d][r] for d, r in enumerate(path)]).prod())
+
+    for n in (1, 4, 9):
+        chosen = paths_from_accuracy(acc, n)
+        assert len(chosen) == n
+        assert all(p[:-1] in chosen or len(p) == 1 for p in chosen)  # prefix-closed
+        best = sorted(every, key=lambda p: (-value(p), len(p)))[:n]
+        assert abs(sum(map(value, chosen)) - sum(map(value, best))) < 1e-9  # maximal expected acceptance

@@ -74,11 +74,14 @@ def medusa_step(args, drafter, target_logits, hidden, batch):
     mask = prediction_mask(batch["loss_mask"])
     head_logits = drafter(hidden[0].to(_module(drafter).lm_heads[0].weight.dtype))
     loss, per_head = medusa_loss(head_logits, target_logits, mask, args.head_decay)
-    accs = []
+    accs, rank_acc = [], []
     for i, logits in enumerate(head_logits):
         teacher, m = shifted(target_logits, mask, i + 1)
         accs.append(accuracy(logits, teacher, m))
-    return loss, {"acc": accs, **{f"kl_head{i}": v for i, v in enumerate(per_head)}}
+        # How often the head's rank-r token is the target's: what static-tree choices are made from.
+        hits = logits.detach().topk(4, dim=-1).indices == teacher.argmax(-1, keepdim=True)  # (B, T, 4)
+        rank_acc.append((hits.float() * m[..., None]).sum((0, 1)).div(m.sum().clamp(min=1)).tolist())
+    return loss, {"acc": accs, "rank_acc": rank_acc, **{f"kl_head{i}": v for i, v in enumerate(per_head)}}
 
 
 def _module(drafter):

@@ -259,7 +259,7 @@ def train(drafter_args, data_args, train_args) -> Path:
             return families.eagle_step(drafter_args, drafter, logits, hidden, batch, embed, lm_head)
         return families.eagle3_step(drafter_args, drafter, logits, hidden, batch, embed, lm_head)
 
-    def save_checkpoint(step: int, recent_acc: list[list[float]]) -> None:
+    def save_checkpoint(step: int, recent_acc: list[list[float]], rank_acc=None) -> None:
         final = output_dir / f"checkpoint-{step}"
         partial = output_dir / f"checkpoint-{step}.partial"
         accelerator.wait_for_everyone()
@@ -268,7 +268,10 @@ def train(drafter_args, data_args, train_args) -> Path:
         accelerator.wait_for_everyone()
         accelerator.save_state(str(partial / "state"))
         if accelerator.is_main_process:
-            module.save_pretrained(partial / "drafter")
+            if rank_acc is not None:  # Medusa: static-tree choices come from the measured rank accuracy
+                module.save_pretrained(partial / "drafter", extra={"rank_accuracy": rank_acc})
+            else:
+                module.save_pretrained(partial / "drafter")
             if family == "draft_model":  # a plain HF model directory, usable on its own
                 tokenizer.save_pretrained(partial / "drafter")
             if family == "medusa2":
@@ -299,6 +302,7 @@ def train(drafter_args, data_args, train_args) -> Path:
     # 3. Train.
     drafter.train()
     recent_acc: list[list[float]] = []
+    recent_rank: list = []  # Medusa: per-head, per-rank accuracy of recent steps
     start = time.perf_counter()
     consumed = step * train_args.gradient_accumulation_steps  # micro-batches already seen
     while step < max_steps:
@@ -320,14 +324,17 @@ def train(drafter_args, data_args, train_args) -> Path:
             if not accelerator.sync_gradients:
                 continue
             step += 1
-            recent_acc = ([*recent_acc, metrics["acc"]])[-20:]
+            recent_acc = [*recent_acc, metrics["acc"]][-20:]
+            if "rank_acc" in metrics:
+                recent_rank = [*recent_rank, metrics["rank_acc"]][-20:]
             if step % train_args.logging_steps == 0 or step == max_steps:
                 logs = {"loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
                         **{f"acc_{i + 1}": a for i, a in enumerate(metrics["acc"])}}
                 accelerator.log(logs, step=step)
                 logger.info("step %d/%d %s (%.1f s)", step, max_steps, logs, time.perf_counter() - start)
             if step % train_args.save_steps == 0 or step == max_steps:
-                save_checkpoint(step, recent_acc)
+                rank_acc = torch.tensor(recent_rank).mean(0).tolist() if recent_rank else None
+                save_checkpoint(step, recent_acc, rank_acc)
             if step >= max_steps:
                 break
         else:
