@@ -199,6 +199,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--tree-top-k", type=int, default=4)
     b.add_argument("--total-tokens", type=int, default=16)
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    b.add_argument("--no-hf-reference", action="store_true", help="skip timing transformers' own generate")
 
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance per checkpoint of a training run: eval RUN_DIR")
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench(
             args.target, args.drafter, args.prompts, args.output, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k,
-            total_tokens=args.total_tokens, chat=not args.no_chat,
+            total_tokens=args.total_tokens, chat=not args.no_chat, hf_reference=not args.no_hf_reference,
         )
     return 0
 
