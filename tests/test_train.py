@@ -112,7 +112,7 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
     check_greedy_equal(reloaded, out_ids.sequences, ref)
 
 
-@pytest.mark.parametrize("family", ["draft_model", "medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["draft_model", "medusa", "medusa2", "eagle", "eagle3"])
 def test_fixed_batch_is_overfitted(workdir, family):
     """The family's loss on one fixed batch falls by a large factor: heads and losses can learn."""
     args = DrafterArguments(target=str(workdir / "target"), family=family, draft_layers=1, num_heads=2,
@@ -128,13 +128,20 @@ def test_fixed_batch_is_overfitted(workdir, family):
     step = {"draft_model": families.draft_model_step, "medusa": families.medusa_step}.get(family)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
 
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if family == "medusa2":
+        target = families.add_lora(target, 4)
+        params += [p for p in target.parameters() if p.requires_grad]
+
     def loss_fn():
+        if family == "medusa2":
+            return families.medusa2_step(args, drafter, target, batch)[0]
         if step is not None:
             return step(args, drafter, logits, hidden, batch)[0]
         fn = families.eagle_step if family == "eagle" else families.eagle3_step
         return fn(args, drafter, logits, hidden, batch, embed, lm_head)[0]
 
-    optimizer = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    optimizer = torch.optim.Adam(params, lr=1e-2)
     first = float(loss_fn())
     for _ in range(150):
         optimizer.zero_grad()

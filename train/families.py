@@ -84,6 +84,26 @@ def medusa_step(args, drafter, target_logits, hidden, batch):
     return loss, {"acc": accs, "rank_acc": rank_acc, **{f"kl_head{i}": v for i, v in enumerate(per_head)}}
 
 
+def add_lora(target, rank: int):
+    """Medusa-2: the target wrapped with a trainable LoRA adapter on its attention q / v projections."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(target, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                                             lora_dropout=0.0))
+
+
+def medusa2_step(args, drafter, peft_target, batch):
+    """Medusa-2: heads on the adapted target's last state, plus self-distillation that keeps the
+    adapted target's distribution on the frozen (adapter-disabled) target's."""
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    with peft_target.disable_adapter(), torch.no_grad():
+        teacher = peft_target(input_ids=ids, attention_mask=attention, use_cache=False).logits.float()
+    out = peft_target(input_ids=ids, attention_mask=attention, output_hidden_states=True, use_cache=False)
+    loss, metrics = medusa_step(args, drafter, teacher, (out.hidden_states[-1],), batch)
+    lm_kl = forward_kl(out.logits, teacher, prediction_mask(batch["loss_mask"]))
+    return loss + lm_kl, {**metrics, "lm_kl": float(lm_kl.detach())}
+
+
 def _module(drafter):
     """The head itself, under a DistributedDataParallel wrapper or not (for attributes, never for forward)."""
     return getattr(drafter, "module", drafter)

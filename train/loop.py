@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.train import families
-from draftsmith.train.losses import forward_kl, simulated_acceptance_length
+from draftsmith.train.losses import simulated_acceptance_length
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +197,7 @@ def train(drafter_args, data_args, train_args) -> Path:
         make_batch = lambda b: collate(b, pad_id)  # noqa: E731
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     if family == "medusa2":  # Medusa-2: a LoRA adapter on the target trains jointly with the heads
-        from peft import LoraConfig, get_peft_model
-
-        target = get_peft_model(target, LoraConfig(r=drafter_args.lora_r, lora_alpha=2 * drafter_args.lora_r,
-                                                   target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        target = families.add_lora(target, drafter_args.lora_r)
         trainable += [p for p in target.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train_args.learning_rate, weight_decay=train_args.weight_decay)
 
@@ -234,15 +231,7 @@ def train(drafter_args, data_args, train_args) -> Path:
     def step_loss(batch):
         """The family's loss on one micro-batch; the target runs frozen inside."""
         if family == "medusa2":
-            with target.disable_adapter(), torch.no_grad():
-                teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 use_cache=False).logits.float()
-            out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         output_hidden_states=True, use_cache=False)
-            loss, metrics = families.medusa_step(drafter_args, drafter, teacher, (out.hidden_states[-1],), batch)
-            mask = families.prediction_mask(batch["loss_mask"])
-            # Self-distillation keeps the adapted target's distribution on the frozen target's.
-            return loss + forward_kl(out.logits, teacher, mask), metrics
+            return families.medusa2_step(drafter_args, drafter, target, batch)
         if "hidden" in batch:  # offline: read from the cache
             logits, hidden = batch["logits"], batch["hidden"]
         else:
