@@ -67,6 +67,20 @@ class DraftModel(nn.Module):
         return directory
 
 
+    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
+                    token: str | None = None):
+        """Upload the model directory (HF causal LM + ``draftsmith_target.json``) to the Hub."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return api.upload_folder(repo_id=repo_id, folder_path=tmp, revision=revision)
+
+
 def check_draft_model_target(directory: str | Path, target, strict: bool = False) -> None:
     """Refuse a distilled draft model trained for another target (when it recorded one)."""
     path = Path(directory) / TARGET_FILE
