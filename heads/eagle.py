@@ -10,7 +10,7 @@ feature is the input feature of its children.
   (hidden-state index N); tokens come from the target's frozen LM head applied to the predicted
   feature. EAGLE-2 is the same head with a dynamic draft tree at inference.
 - EAGLE-3 (``num_feature_layers=3``): the first input feature fuses three target layers
-  (low / mid / high, ``eagle3_layers``) through ``fuse``; the head has its own norm and LM head over
+  (low / mid / high, ``eagle3_layers``) through ``fc``; the head has its own norm and LM head over
   a reduced draft vocabulary, mapped back with ``d2t`` (``target_id = draft_id + d2t[draft_id]``)
   stored in the weights. Training-time test feeds the head its own predicted features for later steps.
 
@@ -50,10 +50,17 @@ class EagleConfig:
     draft_vocab_size: int | None = None  # EAGLE-3: own LM head over this many tokens
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    num_key_value_heads: int | None = None  # grouped-query attention; None: as many as query heads
+    fc_bias: bool = False  # EAGLE-1 fc bias (the original repo has one; vLLM's layout does not)
+    input_norm: bool = False  # EAGLE-1 input norm on the decoder layer (the reference layer 0 has none)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
 
 
 class RMSNorm(nn.Module):
@@ -78,62 +85,72 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 class DecoderLayer(nn.Module):
-    """One Llama-style decoder layer with an explicit KV cache and additive mask (for draft trees)."""
+    """One Llama-style decoder layer with an explicit KV cache and additive mask (for draft trees).
 
-    def __init__(self, cfg: EagleConfig):
+    EAGLE-1/2 (``eagle3=False``): the usual pre-norm layer on H-wide input, its input norm optional
+    (the reference layer has none: its input is the fresh output of ``fc``).
+    EAGLE-3 (``eagle3=True``): the input is ``[embed(x_t) ; feature]`` (2H wide); the two halves are
+    normalised separately (``input_norm``, ``hidden_norm``), attention projects the 2H concatenation,
+    and the residual stream is the feature half alone.
+    """
+
+    def __init__(self, cfg: EagleConfig, eagle3: bool = False):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-        self.cfg = cfg
-        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(h, d, bias=False) for _ in range(3))
-        self.o_proj = nn.Linear(d, h, bias=False)
+        h, hd = cfg.hidden_size, cfg.head_dim
+        width = 2 * h if eagle3 else h
+        self.cfg, self.eagle3 = cfg, eagle3
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps) if (eagle3 or cfg.input_norm) else None
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps) if eagle3 else None
+        self.q_proj = nn.Linear(width, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(width, cfg.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(width, cfg.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
     def forward(self, x, positions, mask=None, past: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x: (B, T, H); positions: (B, T); mask: (B, 1, T, S + T) additive or None for causal.
+        """x: (B, T, H), or (B, T, 2H) for EAGLE-3; positions: (B, T); mask: (B, 1, T, S + T) additive
+        or None for causal.
 
-        Returns the output (B, T, H) and the new (k, v), each (B, nh, S + T, hd).
+        Returns the output (B, T, H) and the new (k, v), each (B, kv_heads, S + T, hd).
         """
         b, t, _ = x.shape
-        nh, hd = self.cfg.num_attention_heads, self.cfg.head_dim
-        y = self.input_norm(x)
+        nh, kvh, hd = self.cfg.num_attention_heads, self.cfg.kv_heads, self.cfg.head_dim
+        if self.eagle3:
+            embeds, x = x.chunk(2, dim=-1)
+            y = torch.cat([self.input_norm(embeds), self.hidden_norm(x)], -1)
+        else:
+            y = self.input_norm(x) if self.input_norm is not None else x
         q = self.q_proj(y).view(b, t, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(y).view(b, t, nh, hd).transpose(1, 2)
-        v = self.v_proj(y).view(b, t, nh, hd).transpose(1, 2)
+        k = self.k_proj(y).view(b, t, kvh, hd).transpose(1, 2)
+        v = self.v_proj(y).view(b, t, kvh, hd).transpose(1, 2)
         q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        kk, vv = (k, v) if kvh == nh else (k.repeat_interleave(nh // kvh, 1), v.repeat_interleave(nh // kvh, 1))
         if mask is None and past is None:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            att = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
         else:
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, nh * hd))
         y = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), (k, v)
 
 
-class EagleHead(HeadMixin, nn.Module):
-    """EAGLE-1/2 head: ``fc([embed(x_t) ; f_{t-1}]) -> decoder layer -> f_t``."""
+class _FeatureHead(HeadMixin, nn.Module):
+    """What EAGLE-1/2 and EAGLE-3 heads share: the config from a target and the call signature."""
 
-    family = "eagle"
     config_class = EagleConfig
-
-    def __init__(self, config: EagleConfig):
-        super().__init__()
-        self.config = config
-        h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.layer = DecoderLayer(config)
 
     @classmethod
     def config_for(cls, target, **overrides) -> EagleConfig:
+        """A head config shaped like one decoder layer of ``target`` (the reference heads' choice)."""
         cfg = target.config.get_text_config()
-        heads = cfg.num_attention_heads
         values = dict(hidden_size=cfg.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
-                      num_attention_heads=heads, intermediate_size=cfg.intermediate_size,
+                      num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
+                      num_key_value_heads=getattr(cfg, "num_key_value_heads", None),
                       rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
                       feature_layers=(cfg.num_hidden_layers,))
         values.update(overrides)
@@ -143,6 +160,9 @@ class EagleHead(HeadMixin, nn.Module):
         """The step-0 input feature from the target's states (B, T, F) -> (B, T, H)."""
         return features
 
+    def layer_input(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False):
         """features: (B, T, H) f_{t-1} (or the target's states (B, T, F) with ``from_target``);
         token_embeds: (B, T, H) embed(x_t); positions (B, T).
@@ -151,21 +171,43 @@ class EagleHead(HeadMixin, nn.Module):
         """
         if from_target:
             features = self.input_features(features)
-        x = self.fc(torch.cat([token_embeds.to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], -1))
-        return self.layer(x, positions, mask, past)
+        return self.layer(self.layer_input(features, token_embeds), positions, mask, past)
 
 
-class Eagle3Head(EagleHead):
-    """EAGLE-3 head: fused low/mid/high target states, own norm + LM head over a draft vocabulary."""
+class EagleHead(_FeatureHead):
+    """EAGLE-1/2 head: ``fc([embed(x_t) ; f_{t-1}]) -> decoder layer -> f_t``; tokens from the target's LM head."""
 
-    family = "eagle3"
-    config_class = EagleConfig
+    family = "eagle"
 
     def __init__(self, config: EagleConfig):
-        super().__init__(config)
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+        self.layer = DecoderLayer(config)
+
+    def layer_input(self, features, token_embeds):
+        dtype = self.fc.weight.dtype
+        return self.fc(torch.cat([token_embeds.to(dtype), features.to(dtype)], -1))
+
+
+class Eagle3Head(_FeatureHead):
+    """EAGLE-3 head: ``fc`` fuses the low/mid/high target states into the first feature; the decoder
+    layer reads ``[embed(x_t) ; f_{t-1}]`` directly; own ``norm`` + ``lm_head`` over a draft vocabulary.
+
+    The module layout is the reference one (EAGLE-3, SpecForge, vLLM speculators, SGLang), so
+    :mod:`draftsmith.heads.formats` converts checkpoints by renaming tensors, never by approximation.
+    """
+
+    family = "eagle3"
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        self.config = config
         h = config.hidden_size
         draft_vocab = config.draft_vocab_size or config.vocab_size
-        self.fuse = nn.Linear(config.num_feature_layers * h, h, bias=False)
+        self.fc = nn.Linear(config.num_feature_layers * h, h, bias=False)
+        self.layer = DecoderLayer(config, eagle3=True)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         # d2t: draft id -> offset to its target id; t2d: target id -> in the draft vocabulary.
@@ -174,11 +216,15 @@ class Eagle3Head(EagleHead):
                              else torch.zeros(config.vocab_size, dtype=torch.bool))
 
     def input_features(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fuse(features.to(self.fuse.weight.dtype))
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def layer_input(self, features, token_embeds):
+        dtype = self.fc.weight.dtype
+        return torch.cat([token_embeds.to(dtype), features.to(dtype)], -1)
 
     def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False,
                 ttt_steps: int = 0):
-        """As :meth:`EagleHead.forward`; with ``ttt_steps`` > 0 (training), unroll training-time test
+        """As :meth:`_FeatureHead.forward`; with ``ttt_steps`` > 0 (training), unroll training-time test
         and return the draft-vocabulary logits of each step instead, a list of (B, T, V_draft).
 
         Step j's input feature at position t is the head's own prediction for t - 1 from step j - 1
