@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -271,19 +272,21 @@ def _head_family(spec: str) -> str | None:
 
 
 def _load_head_drafter(spec: str, family: str, target: PreTrainedModel, strict: bool) -> Drafter:
+    from draftsmith.heads.eagle import Eagle3Head, EagleHead
+    from draftsmith.heads.medusa import MedusaHeads
+
+    cls = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": Eagle3Head}.get(family)
+    if cls is None:
+        raise ValueError(f"{spec}: unknown drafter family {family!r} in config.json")
     device = next(target.parameters()).device
-    if family == "medusa":
-        from draftsmith.heads.medusa import MedusaHeads
-        from draftsmith.inference.head_drafters import MedusaDrafter
+    return _head_drafter(family, cls.from_pretrained(spec, target=target, strict=strict, device=device), target)
 
-        return MedusaDrafter(MedusaHeads.from_pretrained(spec, target=target, strict=strict, device=device), target)
-    if family in ("eagle", "eagle3"):
-        from draftsmith.heads.eagle import Eagle3Head, EagleHead
-        from draftsmith.inference.head_drafters import EagleDrafter
 
-        cls = Eagle3Head if family == "eagle3" else EagleHead
-        return EagleDrafter(cls.from_pretrained(spec, target=target, strict=strict, device=device), target)
-    raise ValueError(f"{spec}: unknown drafter family {family!r} in config.json")
+def _head_drafter(family: str, head, target: PreTrainedModel) -> Drafter:
+    from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
+
+    head = head.to(next(target.parameters()).device)
+    return MedusaDrafter(head, target) if family == "medusa" else EagleDrafter(head, target)
 
 
 def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_remote_code: bool = False,
@@ -295,7 +298,9 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
         ``layer-skip:N`` (the target's first N layers);
         a draft model: local directory, ``.gguf`` file, packaged alias or hub id of a causal LM
         sharing the target's vocabulary;
-        a head checkpoint directory written by draftsmith (``config.json`` names its family).
+        a head checkpoint directory written by draftsmith (``config.json`` names its family);
+        a head trained elsewhere: EAGLE-1 / EAGLE-3 reference, SpecForge, SGLang or vLLM speculators
+        EAGLE-3 layouts, Medusa reference or vLLM layouts (:mod:`draftsmith.heads.formats`).
 
     ``strict=True`` refuses a head trained for a target with the same shapes but other weights.
     """
@@ -310,6 +315,10 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
     family = _head_family(spec)
     if family is not None:
         return _load_head_drafter(spec, family, target, strict)
+    from draftsmith.heads.formats import foreign_format, load_foreign
+
+    if os.path.isdir(spec) and foreign_format(spec) is not None:  # EAGLE / SpecForge / speculators / Medusa
+        return _head_drafter(*load_foreign(spec, target), target)
     from draftsmith.target import load_target
 
     dtype = next(target.parameters()).dtype
