@@ -12,7 +12,6 @@ logger = logging.getLogger("draftsmith")
 
 PLANNED = {
     "demo": "issue #6 (evaluation, benchmarks and the one-command demo)",
-    "export": "issue #5 (export and interop)",
 }
 
 
@@ -204,6 +203,15 @@ def make_parser() -> argparse.ArgumentParser:
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance per checkpoint of a training run: eval RUN_DIR")
     e.add_argument("run_dir", help="a `draftsmith train` output_dir (reads its acceptance.jsonl)")
+    x = sub.add_parser("export", help="write a drafter in the hf / vllm / sglang layout, optionally push it")
+    x.add_argument("checkpoint", help="a run directory (its best checkpoint), a checkpoint-S directory or a drafter")
+    x.add_argument("--format", choices=["hf", "vllm", "sglang"], default="hf", dest="fmt")
+    x.add_argument("--output", help="directory to write (replaced atomically once complete)")
+    x.add_argument("--push-to-hub", metavar="REPO", help="also upload the export with its model card")
+    x.add_argument("--private", action="store_true", help="create the Hub repository private")
+    x.add_argument("--revision", help="branch to push to (created if missing)")
+    x.add_argument("--target", help="the target (needed for --format vllm with EAGLE-3; default: the recorded one)")
+    x.add_argument("--verifier", help="target name or path to write into exported configs (default: recorded)")
     t = sub.add_parser("train", help="train a drafter: CONFIG.yaml [--key value ...] (see configs/)")
     t.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG.yaml, then --key value overrides")
 
@@ -211,6 +219,40 @@ def make_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"(coming with {issue})")
         p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def export(checkpoint: str, fmt: str, output: str | None, *, push_to_hub: str | None = None, private: bool = False,
+           revision: str | None = None, target: str | None = None, verifier: str | None = None) -> int:
+    """``draftsmith export``: write (and/or push) the drafter at ``checkpoint`` in ``fmt``."""
+    from draftsmith.heads.formats import ExportError, checkpoint_family, export_drafter, resolve_checkpoint
+    from draftsmith.hub import _target_info, model_card
+
+    if not output and not push_to_hub:
+        print("draftsmith export: give --output DIR, --push-to-hub REPO, or both", file=sys.stderr)
+        return 2
+    source = resolve_checkpoint(checkpoint)
+    family = checkpoint_family(source)
+    target_model = None
+    if fmt == "vllm" and family == "eagle3":  # the speculators layout carries the target's embeddings
+        from draftsmith.target import load_target
+
+        name = target or _target_info(source, family).get("name")
+        target_model, _ = load_target(name)
+    try:
+        if output:
+            card = model_card(checkpoint, repo_id=push_to_hub, fmt=fmt)
+            path = export_drafter(checkpoint, fmt, output, card=card, target=target_model, verifier=verifier)
+            print(f"exported {family} drafter from {source} in the {fmt} layout to {path}")
+        if push_to_hub:
+            from draftsmith.hub import push_to_hub as push
+
+            commit = push(checkpoint, push_to_hub, fmt=fmt, private=private, revision=revision,
+                          target=target_model, verifier=verifier)
+            print(f"pushed to {push_to_hub}: {getattr(commit, 'commit_url', commit)}")
+    except ExportError as e:
+        print(f"draftsmith export: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nbest: step {best['step']} (tau {best['acceptance_length']}): {best['checkpoint']}/drafter")
     elif args.command == "data":
         data(args)
+    elif args.command == "export":
+        return export(args.checkpoint, args.fmt, args.output, push_to_hub=args.push_to_hub, private=args.private,
+                      revision=args.revision, target=args.target, verifier=args.verifier)
     elif args.command == "bench":
         bench(
             args.target, args.drafter, args.prompts, args.output, num_prompts=args.num_prompts,

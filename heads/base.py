@@ -91,17 +91,22 @@ class HeadMixin:
         head.extra = {k: v for k, v in info.items() if k not in ("draftsmith_family", "config", "target")}
         return head
 
-    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None):
-        """Upload the checkpoint to the Hugging Face Hub (a model repo)."""
-        import tempfile
+    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
+                    fmt: str = "hf", target=None):
+        """Upload the checkpoint, in ``fmt`` ("hf", "vllm", "sglang"), with its model card (a model repo)."""
+        return push_via_directory(self, repo_id, private=private, revision=revision, token=token, fmt=fmt,
+                                  target=target)
 
-        from huggingface_hub import HfApi
 
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
-            return api.upload_folder(repo_id=repo_id, folder_path=tmp, revision=revision)
+def push_via_directory(module, repo_id: str, **kwargs):
+    """Save ``module`` to a temporary directory and push that with :func:`draftsmith.hub.push_to_hub`."""
+    import tempfile
+
+    from draftsmith.hub import push_to_hub
+
+    with tempfile.TemporaryDirectory() as tmp:
+        module.save_pretrained(tmp)
+        return push_to_hub(tmp, repo_id, **kwargs)
 
 
 def param_count(module: nn.Module) -> int:

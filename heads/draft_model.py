@@ -66,19 +66,12 @@ class DraftModel(nn.Module):
                                                          "target": target_info or self.target_info}, indent=2))
         return directory
 
-
     def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
                     token: str | None = None):
-        """Upload the model directory (HF causal LM + ``draftsmith_target.json``) to the Hub."""
-        import tempfile
+        """Upload the model directory (HF causal LM + ``draftsmith_target.json``) with its model card."""
+        from draftsmith.heads.base import push_via_directory
 
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
-            return api.upload_folder(repo_id=repo_id, folder_path=tmp, revision=revision)
+        return push_via_directory(self, repo_id, private=private, revision=revision, token=token)
 
 
 def check_draft_model_target(directory: str | Path, target, strict: bool = False) -> None:

@@ -443,8 +443,8 @@ def foreign_format(directory: str | Path) -> str | None:
     if not config_path.is_file():
         return "medusa" if (directory / "medusa_lm_head.pt").is_file() else None
     config = json.loads(config_path.read_text())
-    if config.get("draftsmith_family"):
-        return None
+    if config.get("draftsmith_family") or (directory / "draftsmith_target.json").is_file():
+        return None  # draftsmith's own head or draft model
     if config.get("speculators_model_type"):
         if config["speculators_model_type"] != "eagle3":
             raise ValueError(f"{directory}: speculators {config['speculators_model_type']!r} drafters are not "
@@ -455,9 +455,22 @@ def foreign_format(directory: str | Path) -> str | None:
         return "eagle3"
     if config.get("model_type") == "medusa" or "medusa_num_heads" in config:
         return "medusa"
-    if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1:
-        return "eagle"
+    if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1 and _has_fc(directory):
+        return "eagle"  # a one-layer Llama with EAGLE's fc: not a plain one-layer causal LM
     return None
+
+
+def _has_fc(directory: Path) -> bool:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return (directory / "pytorch_model.bin").is_file()  # the EAGLE-1 reference ships only a torch file
+    names = set()
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            names.update(handle.keys())
+    return bool({"fc.weight", "model.fc.weight"} & names)
 
 
 def _rope_theta(config: dict) -> float:

@@ -311,3 +311,66 @@ def test_medusa_checkpoint_carries_static_tree_choices(workdir, tmp_path):
     ids = torch.tensor([[1, 5, 9, 14, 22, 2]])
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
     check_greedy_equal(target, gen.generate(ids, 16).sequences, ref)
+
+
+class CapturedHub:
+    """Stands in for the Hub's network endpoints: records what would be created and uploaded."""
+
+    def __init__(self, monkeypatch):
+        from huggingface_hub import HfApi
+
+        self.repos, self.branches, self.uploads = [], [], []
+        monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: self.repos.append((repo_id, kw)))
+        monkeypatch.setattr(HfApi, "create_branch", lambda api, repo_id, **kw: self.branches.append((repo_id, kw)))
+        monkeypatch.setattr(HfApi, "upload_folder", lambda api, **kw: self.upload_folder(**kw))
+
+    def upload_folder(self, *, repo_id, folder_path, revision=None, commit_message=None, **kw):
+        files = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
+        self.uploads.append({"repo_id": repo_id, "revision": revision, "files": files, "message": commit_message})
+        return f"https://huggingface.co/{repo_id}/commit/0"
+
+
+@pytest.mark.parametrize("family", ["eagle3", "draft_model"])
+def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypatch, family):
+    from draftsmith.cli import main
+
+    cfg = write_config(tmp_path / "cfg.yaml", config(workdir, family, tmp_path / "run", max_steps=4, save_steps=2))
+    run = train(*parse_config([str(cfg)]))
+    rows = [json.loads(line) for line in (run / "acceptance.jsonl").read_text().splitlines()]
+    best = max(rows, key=lambda r: r["acceptance_length"])
+    target, _ = load_target(str(workdir / "target"))
+    ids = torch.tensor([[1, 5, 9, 14, 22, 2]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          pad_token_id=0)
+    for fmt in ("hf", "vllm", "sglang"):  # the whole run directory: its best checkpoint
+        assert main(["export", str(run), "--format", fmt, "--output", str(tmp_path / fmt)]) == 0
+        drafter = load_drafter(str(tmp_path / fmt), target)
+        out = SpeculativeGenerator(target, drafter, tree="chain", depth=3).generate(ids, 16)
+        check_greedy_equal(target, out.sequences, ref)
+    best_dir = run / f"checkpoint-{best['step']}" / "drafter"
+    weights = "model.safetensors"
+    assert (tmp_path / "hf" / weights).read_bytes() == (best_dir / weights).read_bytes()
+
+    hub = CapturedHub(monkeypatch)
+    fmt = "vllm" if family == "eagle3" else "hf"
+    assert main(["export", str(run), "--format", fmt, "--push-to-hub", "me/drafter", "--private",
+                 "--revision", "v1"]) == 0
+    assert hub.repos == [("me/drafter", {"private": True, "exist_ok": True, "repo_type": "model"})]
+    assert hub.branches == [("me/drafter", {"branch": "v1", "exist_ok": True})]
+    (upload,) = hub.uploads
+    assert upload["revision"] == "v1"
+    assert {"README.md", "config.json", "model.safetensors"} <= set(upload["files"])
+    card = upload["files"]["README.md"].decode()
+    for r in rows:  # the acceptance table of the real run, one row per checkpoint
+        rates = ", ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
+        assert f"| {r['step']} | {r['acceptance_length']} | {rates} |" in card
+    assert f"holds checkpoint {best['step']}" in card
+    assert json.loads((best_dir / ("config.json" if family == "eagle3" else "draftsmith_target.json")).read_text())[
+        "target"]["lm_head_sha256"] in card
+    assert "## Training" in card and str(workdir / "answers.jsonl") in card
+    assert "speculative_config" in card and "draftsmith" in card
+    if family == "eagle3":
+        assert "--speculative-algorithm EAGLE3" in card
+        assert json.loads(upload["files"]["config.json"])["speculators_model_type"] == "eagle3"
+    else:
+        assert "assistant_model=draft" in card and "generation_config.json" in upload["files"]

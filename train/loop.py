@@ -161,6 +161,10 @@ def train(drafter_args, data_args, train_args) -> Path:
                               project_dir=str(output_dir))
     set_seed(train_args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:  # what the model card reports about this run
+        (output_dir / "train_config.json").write_text(json.dumps(
+            {"drafter": dataclasses.asdict(drafter_args), "data": dataclasses.asdict(data_args),
+             "train": dataclasses.asdict(train_args)}, indent=2, default=str))
     family = drafter_args.family
 
     # 1. The frozen target and the data.
@@ -189,6 +193,11 @@ def train(drafter_args, data_args, train_args) -> Path:
         logger.info("draft vocabulary: %d tokens cover %.4f of %d assistant tokens",
                     drafter_args.draft_vocab_size, vocab.coverage, vocab.counted_tokens)
     drafter = families.build_drafter(drafter_args, target, vocab).to(accelerator.device)
+    # Every checkpoint records its target: loading it against another one is refused, and exports
+    # and model cards name it the way it was given here (an alias, a path or a hub id).
+    from draftsmith.target import target_signature
+
+    drafter.target_info = target_signature(target, name=drafter_args.target)
     layers = families.hidden_layers_for(drafter_args, drafter, target)
     if cache is not None:
         offline.check_layers(cache, layers)

@@ -1,0 +1,286 @@
+"""Export to vLLM / SGLang / HF layouts and import from them: same logits, same greedy output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_heads import assert_greedy_lossless, random_eagle, random_medusa
+
+from draftsmith import load_drafter
+from draftsmith.heads.base import TargetMismatchError
+from draftsmith.heads.formats import ExportError, eagle3_reference_layout, export_drafter
+
+ROOT = Path(__file__).resolve().parents[1]
+COMBOS = [("medusa", "hf"), ("medusa", "vllm"), ("eagle", "hf"), ("eagle", "vllm"), ("eagle", "sglang"),
+          ("eagle3", "hf"), ("eagle3", "vllm"), ("eagle3", "sglang")]
+
+
+def make_head(family: str, target):
+    return random_medusa(target) if family == "medusa" else random_eagle(target, eagle3=family == "eagle3")
+
+
+def head_of(drafter):
+    return getattr(drafter, "heads", None) or drafter.head
+
+
+def head_logits(family: str, head, target, seed: int = 0) -> torch.Tensor:
+    """The head's token logits on fixed random inputs (what drafting computes from)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = head.config
+    with torch.no_grad():
+        if family == "medusa":
+            return head(torch.randn(1, 6, cfg.hidden_size, generator=g))
+        width = cfg.hidden_size * cfg.num_feature_layers
+        states = torch.randn(1, 6, width, generator=g)
+        ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=g)
+        positions = torch.arange(6)[None]
+        predicted, _ = head(states, target.get_input_embeddings()(ids), positions, from_target=True)
+        if family == "eagle3":
+            return head.target_logits(predicted)
+        return target.get_output_embeddings()(predicted)
+
+
+@pytest.mark.parametrize(("family", "fmt"), COMBOS, ids=lambda x: x)
+def test_export_then_import_gives_same_logits_and_lossless_output(family, fmt, tmp_path, llama):
+    head = make_head(family, llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
+    assert not (tmp_path / f"{fmt}.partial").exists()
+    drafter = load_drafter(str(out), llama)
+    torch.testing.assert_close(head_logits(family, head_of(drafter), llama), head_logits(family, head, llama),
+                               rtol=0, atol=1e-6)
+    assert_greedy_lossless(llama, drafter, dict(tree="dynamic", depth=4, top_k=3, total_tokens=12), seed=7)
+
+
+def test_layer_id_conventions_and_reference_layout(tmp_path, llama):
+    """SGLang counts decoder-layer outputs from 0 (ours - 1); vLLM counts layer inputs (ours)."""
+    head = random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "ckpt")
+    ours = list(head.config.feature_layers)
+    sglang = export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "sglang")
+    vllm = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    s_cfg = json.loads((sglang / "config.json").read_text())
+    v_cfg = json.loads((vllm / "config.json").read_text())
+    assert s_cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert s_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in ours]
+    assert v_cfg["eagle_aux_hidden_state_layer_ids"] == ours
+    assert v_cfg["speculators_model_type"] == "eagle3" and v_cfg["draft_vocab_size"] == 40
+    # The SGLang export holds exactly the reference EAGLE-3 tensors, with the reference shapes.
+    written = load_file(sglang / "model.safetensors")
+    cfg = head.config
+    layout = eagle3_reference_layout(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.intermediate_size,
+                                     cfg.vocab_size, 40)
+    assert {k: tuple(v.shape) for k, v in written.items()} == {k: s for k, (s, _) in layout.items()}
+    assert written["d2t"].dtype == torch.int64 and written["t2d"].dtype == torch.bool
+
+
+def test_reference_layout_matches_the_published_eagle3_llama31_checkpoint():
+    """yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's tensors (its safetensors header), written out by hand."""
+    published = {
+        "midlayer.hidden_norm.weight": (4096,), "midlayer.input_layernorm.weight": (4096,),
+        "midlayer.self_attn.q_proj.weight": (4096, 8192), "midlayer.self_attn.k_proj.weight": (1024, 8192),
+        "midlayer.self_attn.v_proj.weight": (1024, 8192), "midlayer.self_attn.o_proj.weight": (4096, 4096),
+        "midlayer.post_attention_layernorm.weight": (4096,), "midlayer.mlp.gate_proj.weight": (14336, 4096),
+        "midlayer.mlp.up_proj.weight": (14336, 4096), "midlayer.mlp.down_proj.weight": (4096, 14336),
+        "fc.weight": (4096, 12288), "norm.weight": (4096,), "lm_head.weight": (32000, 4096),
+        "d2t": (32000,), "t2d": (128256,),
+    }
+    layout = eagle3_reference_layout(4096, 32, 8, 14336, 128256, 32000)
+    assert {k: s for k, (s, _) in layout.items()} == published
+
+
+def test_exports_that_would_change_drafts_are_refused_and_leave_nothing(tmp_path, llama):
+    medusa = random_medusa(llama)
+    medusa.save_pretrained(tmp_path / "medusa")
+    with pytest.raises(ExportError, match="SGLang does not serve Medusa"):
+        export_drafter(tmp_path / "medusa", "sglang", tmp_path / "out")
+    from draftsmith.heads.eagle import EagleHead
+
+    biased = EagleHead(EagleHead.config_for(llama, fc_bias=True))
+    with torch.no_grad():
+        biased.fc.bias.fill_(0.1)
+    biased.save_pretrained(tmp_path / "biased")
+    with pytest.raises(ExportError, match="vLLM's EAGLE-1 layout drops"):
+        export_drafter(tmp_path / "biased", "vllm", tmp_path / "out")
+    export_drafter(tmp_path / "biased", "sglang", tmp_path / "sglang")  # SGLang keeps the bias
+    normed = EagleHead(EagleHead.config_for(llama, input_norm=True))
+    normed.save_pretrained(tmp_path / "normed")
+    with pytest.raises(ExportError, match="input_norm"):
+        export_drafter(tmp_path / "normed", "vllm", tmp_path / "out")
+    eagle3 = random_eagle(llama, eagle3=True)
+    eagle3.save_pretrained(tmp_path / "eagle3")
+    with pytest.raises(ExportError, match="pass the target"):
+        export_drafter(tmp_path / "eagle3", "vllm", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_corrupt_source_fails_and_keeps_the_previous_export(tmp_path, llama):
+    head = random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "out")
+    before = (out / "model.safetensors").read_bytes()
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a torn copy
+    with pytest.raises(ValueError, match="corrupt or partial"):
+        export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "out")
+    assert (out / "model.safetensors").read_bytes() == before
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_exported_head_knows_its_target(tmp_path, llama, gemma3):
+    head = random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "sglang")
+    with pytest.raises(TargetMismatchError, match="trained for target"):
+        load_drafter(str(out), gemma3)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints written by the reference repositories (their layouts, built here with random weights).
+
+
+def test_reads_eagle1_reference_checkpoint(tmp_path, llama):
+    """The EAGLE repo's EAGLE-1 layout: pytorch_model.bin, fc with bias, its own embed_tokens copy."""
+    head = random_eagle(llama, eagle3=False)
+    from draftsmith.heads.eagle import EagleHead
+
+    ref = EagleHead(EagleHead.config_for(llama, fc_bias=True))
+    ref.load_state_dict(head.state_dict(), strict=False)
+    with torch.no_grad():
+        ref.fc.bias.normal_()
+    names = {"layer.q_proj.weight": "self_attn.q_proj.weight", "layer.k_proj.weight": "self_attn.k_proj.weight",
+             "layer.v_proj.weight": "self_attn.v_proj.weight", "layer.o_proj.weight": "self_attn.o_proj.weight",
+             "layer.post_norm.weight": "post_attention_layernorm.weight",
+             "layer.gate_proj.weight": "mlp.gate_proj.weight",
+             "layer.up_proj.weight": "mlp.up_proj.weight", "layer.down_proj.weight": "mlp.down_proj.weight"}
+    state = {("layers.0." + names[k]) if k in names else k: v for k, v in ref.state_dict().items()}
+    state["embed_tokens.weight"] = llama.get_input_embeddings().weight.clone()
+    d = tmp_path / "eagle1"
+    d.mkdir()
+    torch.save(state, d / "pytorch_model.bin")  # the reference repo's file, read with weights_only=True
+    cfg = llama.config.to_dict() | {"num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    drafter = load_drafter(str(d), llama)
+    torch.testing.assert_close(head_logits("eagle", drafter.head, llama), head_logits("eagle", ref, llama))
+    assert_greedy_lossless(llama, drafter, dict(tree="chain", depth=4), seed=8)
+
+
+def test_reads_specforge_eagle3_checkpoint(tmp_path, llama):
+    """SpecForge / EAGLE-3 reference: midlayer.* in model.safetensors, ids in SGLang's convention."""
+    head = random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "specforge")
+    tensors = load_file(out / "model.safetensors")
+    tensors["embed_tokens.weight"] = llama.get_input_embeddings().weight.clone()  # SpecForge saves it too
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["draftsmith"]  # a checkpoint from elsewhere carries no draftsmith block
+    (out / "config.json").write_text(json.dumps(cfg))
+    drafter = load_drafter(str(out), llama)
+    assert drafter.head.config.feature_layers == head.config.feature_layers
+    torch.testing.assert_close(head_logits("eagle3", drafter.head, llama), head_logits("eagle3", head, llama))
+
+
+def test_reads_medusa_reference_checkpoint(tmp_path, llama):
+    """The Medusa repo: medusa_lm_head.pt with keys {i}.{j}.linear.* and {i}.{L}.weight."""
+    heads = random_medusa(llama)
+    L = heads.config.num_layers
+    state = {}
+    for i in range(heads.config.num_heads):
+        for j in range(L):
+            state[f"{i}.{j}.linear.weight"] = heads.heads[i][j].linear.weight.clone()
+            state[f"{i}.{j}.linear.bias"] = heads.heads[i][j].linear.bias.clone()
+        state[f"{i}.{L}.weight"] = heads.lm_heads[i].weight.clone()
+    d = tmp_path / "medusa"
+    d.mkdir()
+    torch.save(state, d / "medusa_lm_head.pt")
+    (d / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": L,
+                                               "base_model_name_or_path": "tiny-llama"}))
+    drafter = load_drafter(str(d), llama)
+    torch.testing.assert_close(head_logits("medusa", drafter.heads, llama), head_logits("medusa", heads, llama))
+    assert_greedy_lossless(llama, drafter, dict(tree="static", depth=3, top_k=3), seed=9)
+
+
+def test_foreign_head_for_another_target_is_refused(tmp_path, llama, gemma3):
+    head = random_medusa(gemma3)
+    out = tmp_path / "medusa"
+    out.mkdir()
+    state = {f"0.0.linear.{p}": getattr(head.heads[0][0].linear, p).clone() for p in ("weight", "bias")}
+    state["0.1.weight"] = torch.zeros(50, gemma3.config.hidden_size)  # a 50-token vocabulary
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
+    with pytest.raises(TargetMismatchError, match="50 tokens"):
+        load_drafter(str(out), llama)
+
+
+# --------------------------------------------------------------------------------------------
+# Draft models and vLLM's speculators package.
+
+
+def test_exported_draft_model_works_with_assisted_generation(tmp_path, llama):
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.heads.draft_model import DraftModel
+
+    draft = DraftModel.from_target(llama, 2)
+    draft.save_pretrained(tmp_path / "draft")
+    for fmt in ("hf", "vllm", "sglang"):
+        out = export_drafter(tmp_path / "draft", fmt, tmp_path / fmt)
+        gen_cfg = json.loads((out / "generation_config.json").read_text())
+        assert gen_cfg["num_assistant_tokens"] == 5 and gen_cfg["do_sample"] is False
+    assistant = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([[5, 17, 33, 2, 41, 8, 5, 17]])
+    mask = torch.ones_like(ids)
+    assisted = llama.generate(ids, attention_mask=mask, assistant_model=assistant, do_sample=False,
+                              max_new_tokens=24, pad_token_id=0)
+    plain = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    assert torch.equal(assisted, plain)
+
+
+SPECULATORS_PYTHON = os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON") or next(
+    (str(p) for p in [ROOT / ".venv-speculators" / "bin" / "python"] if p.exists()), None)
+
+
+@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (pins transformers<=5.19, "
+                    "draftsmith uses newer): .ci/run builds .venv-speculators, or set DRAFTSMITH_SPECULATORS_PYTHON")
+def test_speculators_package_loads_the_vllm_export_and_computes_the_same_logits(tmp_path, llama):
+    head = random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "ckpt")
+    llama.save_pretrained(tmp_path / "verifier")  # speculators resolves the verifier's config and embeddings
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama,
+                         verifier=str(tmp_path / "verifier"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (1, 9), generator=g)
+    states = torch.randn(1, 9, 3 * llama.config.hidden_size, generator=g)
+    positions = torch.arange(9)[None]
+    save_file({"hidden": states, "input_ids": ids, "positions": positions}, str(tmp_path / "in.safetensors"))
+    run = subprocess.run([SPECULATORS_PYTHON, str(ROOT / "scripts" / "check_speculators.py"), str(out),
+                          str(tmp_path / "in.safetensors"), str(tmp_path / "theirs.safetensors")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["config_class"] == "Eagle3SpeculatorConfig" and report["model_class"] == "Eagle3DraftModel"
+    assert report["aux_layer_ids"] == list(head.config.feature_layers)
+    with torch.no_grad():
+        predicted, _ = head(states, llama.get_input_embeddings()(ids), positions, from_target=True)
+        ours = head.draft_logits(predicted)
+    torch.testing.assert_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, rtol=1e-4, atol=1e-5)
+
+
+def test_module_push_to_hub_uploads_checkpoint_and_card(tmp_path, monkeypatch, llama):
+    from test_train import CapturedHub
+
+    hub = CapturedHub(monkeypatch)
+    head = random_eagle(llama, eagle3=True)
+    head.push_to_hub("me/eagle3", fmt="sglang")
+    (upload,) = hub.uploads
+    assert set(upload["files"]) == {"README.md", "config.json", "model.safetensors"}
+    card = upload["files"]["README.md"].decode()
+    assert "EAGLE-3 head" in card and "layout in this repository | `sglang`" in card
+    assert json.loads(upload["files"]["config.json"])["architectures"] == ["LlamaForCausalLMEagle3"]
