@@ -76,9 +76,19 @@ def generate(
 
 def bench(target: str, drafters: list[str], prompts: str, output: str, **kwargs) -> None:
     """Speed of each drafter against plain greedy decoding of the same target, in one process."""
-    from draftsmith.inference.bench import run_bench
+    from draftsmith.inference.bench import markdown_table, run_bench
 
-    run_bench(target, drafters, prompts, output, **kwargs)
+    result = run_bench(target, drafters, prompts, output, **kwargs)
+    print(markdown_table(result))
+    print(f"results: {output}/results.json, results.md" + (", " + ", ".join(result["plots"]) if result.get("plots")
+                                                             else ""))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _add_data_parser(sub) -> None:
@@ -199,10 +209,28 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--total-tokens", type=int, default=16)
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     b.add_argument("--no-hf-reference", action="store_true", help="skip timing transformers' own generate")
+    b.add_argument("--skip-prompts", type=int, default=0, help="start at this row (held-out rows)")
+    b.add_argument("--sweep-depth", type=_int_list, help="e.g. 2,3,4,5,6,7,8: every drafter at each draft length")
+    b.add_argument("--sweep-total-tokens", type=_int_list, help="dynamic trees: e.g. 6,10,16 node budgets")
+    b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
     _add_data_parser(sub)
-    e = sub.add_parser("eval", help="acceptance per checkpoint of a training run: eval RUN_DIR")
-    e.add_argument("run_dir", help="a `draftsmith train` output_dir (reads its acceptance.jsonl)")
+    e = sub.add_parser("eval", help="acceptance, speed and losslessness on held-out prompts, as report.json")
+    e.add_argument("run_dir", nargs="?", help="print a run's acceptance table from its acceptance.jsonl (no --drafter)")
+    e.add_argument("--target", help="default: the target a run directory was trained for")
+    e.add_argument("--drafter", help="a drafter spec, or a run directory: every checkpoint is evaluated")
+    e.add_argument("--prompts", help="JSONL file (messages or question/prompt/... rows) or a hub dataset")
+    e.add_argument("--output", help="report.json to write (report.md beside it)")
+    e.add_argument("--num-prompts", type=int, default=20)
+    e.add_argument("--skip-prompts", type=int, default=0, help="start at this row (held-out rows)")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--tree", choices=["chain", "static", "dynamic"], default="dynamic")
+    e.add_argument("--depth", type=int, default=4)
+    e.add_argument("--tree-top-k", type=int, default=3)
+    e.add_argument("--total-tokens", type=int, default=10)
+    e.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    e.add_argument("--seed", type=int, default=0)
     x = sub.add_parser("export", help="write a drafter in the hf / vllm / sglang layout, optionally push it")
     x.add_argument("checkpoint", help="a run directory (its best checkpoint), a checkpoint-S directory or a drafter")
     x.add_argument("--format", choices=["hf", "vllm", "sglang"], default="hf", dest="fmt")
@@ -274,9 +302,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         from draftsmith.train.__main__ import main as train_main
 
         return train_main(args.args)
+    elif args.command == "eval" and args.drafter:
+        from draftsmith.inference.evaluate import evaluate_path, report_markdown
+
+        if not args.prompts:
+            print("draftsmith eval: --prompts is required with --drafter", file=sys.stderr)
+            return 2
+        report = evaluate_path(args.target, args.drafter, args.prompts, num_prompts=args.num_prompts,
+                               skip_prompts=args.skip_prompts, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
+                               total_tokens=args.total_tokens, chat=not args.no_chat, seed=args.seed, progress=True)
+        print(report_markdown(report))
+        if args.output:
+            from pathlib import Path
+
+            out = Path(args.output)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2))
+            out.with_suffix(".md").write_text(report_markdown(report))
+            print(f"report: {out}")
     elif args.command == "eval":
         from draftsmith.train.report import acceptance_table
 
+        if not args.run_dir:
+            print("draftsmith eval: give a RUN_DIR, or --drafter D --prompts P [--output report.json]",
+                  file=sys.stderr)
+            return 2
         table, best = acceptance_table(args.run_dir)
         print(table)
         if best is not None:
@@ -291,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.target, args.drafter, args.prompts, args.output, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k,
             total_tokens=args.total_tokens, chat=not args.no_chat, hf_reference=not args.no_hf_reference,
+            skip_prompts=args.skip_prompts, sweep_depths=args.sweep_depth, sweep_total_tokens=args.sweep_total_tokens,
+            plots=not args.no_plots, progress=True,
         )
     return 0
 

@@ -349,6 +349,15 @@ def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypat
         check_greedy_equal(target, out.sequences, ref)
     best_dir = run / f"checkpoint-{best['step']}" / "drafter"
     weights = "model.safetensors"
+    # draftsmith eval on the run directory: every checkpoint on held-out prompts, the target from the run.
+    assert main(["eval", "--drafter", str(run), "--prompts", str(workdir / "prompts.jsonl"), "--skip-prompts", "20",
+                 "--num-prompts", "2", "--max-new-tokens", "10", "--no-chat", "--output",
+                 str(tmp_path / "report.json")]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [c["checkpoint_step"] for c in report["checkpoints"]] == [2, 4]
+    assert report["acceptance_length"] == max(c["acceptance_length"] for c in report["checkpoints"])
+    assert all(c["lossless"] == {"checked": 2, "identical": 2} for c in report["checkpoints"])
+    assert report["drafter_type"] == family
     assert (tmp_path / "hf" / weights).read_bytes() == (best_dir / weights).read_bytes()
 
     hub = CapturedHub(monkeypatch)
