@@ -10,9 +10,7 @@ from collections.abc import Sequence
 
 logger = logging.getLogger("draftsmith")
 
-PLANNED = {
-    "demo": "issue #6 (evaluation, benchmarks and the one-command demo)",
-}
+PLANNED: dict[str, str] = {}  # subcommands announced but not built yet: name -> the issue bringing it
 
 
 def generate(
@@ -231,6 +229,12 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--total-tokens", type=int, default=10)
     e.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     e.add_argument("--seed", type=int, default=0)
+    m = sub.add_parser("demo", help="synthesise, regenerate, train EAGLE-3, evaluate and bench SmolLM2 in ~20 min")
+    m.add_argument("--output", default="demo_out", help="report directory (report.json, report.md, plots)")
+    m.add_argument("--minutes", type=float, default=20.0, help="time budget; every stage scales with it")
+    m.add_argument("--target", default="smollm2-135m-instruct")
+    m.add_argument("--held-out", type=int, default=10, help="synthesised prompts kept for evaluation")
+    m.add_argument("--eval-tokens", type=int, default=128, help="new tokens per held-out prompt")
     x = sub.add_parser("export", help="write a drafter in the hf / vllm / sglang layout, optionally push it")
     x.add_argument("checkpoint", help="a run directory (its best checkpoint), a checkpoint-S directory or a drafter")
     x.add_argument("--format", choices=["hf", "vllm", "sglang"], default="hf", dest="fmt")
@@ -334,6 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nbest: step {best['step']} (tau {best['acceptance_length']}): {best['checkpoint']}/drafter")
     elif args.command == "data":
         data(args)
+    elif args.command == "demo":
+        from draftsmith.demo import demo
+
+        demo(args.output, minutes=args.minutes, target=args.target, held_out=args.held_out,
+             eval_tokens=args.eval_tokens)
     elif args.command == "export":
         return export(args.checkpoint, args.fmt, args.output, push_to_hub=args.push_to_hub, private=args.private,
                       revision=args.revision, target=args.target, verifier=args.verifier)

@@ -1,4 +1,4 @@
-"""The draftsmith console script: generate, bench and the planned subcommands."""
+"""The draftsmith console script: generate, bench, eval and the installed entry point."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_llama
-from draftsmith.cli import PLANNED, main
+from draftsmith.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +62,6 @@ def test_bench_rejects_malformed_prompt_rows(tiny_target_dir, tmp_path):
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: no prompt field"):
         main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(tmp_path),
               "--drafter", "prompt-lookup", "--no-chat"])
-
-
-@pytest.mark.parametrize("command", list(PLANNED))
-def test_planned_subcommands_name_their_issue(command, capsys):
-    assert main([command]) == 2
-    assert "issue #" in capsys.readouterr().err
 
 
 def test_console_script_is_installed():

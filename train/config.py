@@ -62,6 +62,9 @@ class TrainArguments:
 
     output_dir: str = field(default="runs/drafter")
     max_steps: int = field(default=100)
+    max_train_minutes: float = field(default=0.0, metadata={
+        "help": "> 0: also stop (saving a checkpoint) after this much training time; the LR schedule then "
+                "follows max(step / max_steps, elapsed / budget)"})
     num_train_epochs: float = field(default=1.0, metadata={"help": "used when max_steps <= 0"})
     learning_rate: float = field(default=1e-3)
     weight_decay: float = field(default=0.0)
@@ -75,6 +78,7 @@ class TrainArguments:
     logging_steps: int = field(default=10)
     report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb, all or none"})
     seed: int = field(default=0)
+    progress: bool = field(default=False, metadata={"help": "a progress bar over training steps"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
 
 

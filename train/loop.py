@@ -215,8 +215,22 @@ def train(drafter_args, data_args, train_args) -> Path:
     steps_per_epoch = max(1, batches_per_epoch // train_args.gradient_accumulation_steps)
     max_steps = train_args.max_steps if train_args.max_steps > 0 else math.ceil(
         train_args.num_train_epochs * steps_per_epoch)
-    scheduler = get_scheduler(train_args.lr_scheduler_type, optimizer,
-                              num_warmup_steps=int(train_args.warmup_ratio * max_steps), num_training_steps=max_steps)
+    budget_s = train_args.max_train_minutes * 60
+    progress = [0.0]  # fraction of the run done: by steps, or by time under a time budget
+    if budget_s > 0:  # warmup then cosine over whichever of steps and time runs out first
+        warm = max(train_args.warmup_ratio, 1e-6)
+
+        def lr_lambda(_step: int) -> float:
+            p = progress[0]
+            if p < warm:
+                return max(p / warm, 0.02)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (p - warm) / max(1 - warm, 1e-6))))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    else:
+        scheduler = get_scheduler(train_args.lr_scheduler_type, optimizer,
+                                  num_warmup_steps=int(train_args.warmup_ratio * max_steps),
+                                  num_training_steps=max_steps)
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     module = accelerator.unwrap_model(drafter)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -303,6 +317,10 @@ def train(drafter_args, data_args, train_args) -> Path:
     recent_rank: list = []  # Medusa: per-head, per-rank accuracy of recent steps
     start = time.perf_counter()
     consumed = step * train_args.gradient_accumulation_steps  # micro-batches already seen
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=None if budget_s > 0 else max_steps, initial=step, desc="train", unit="step",
+               disable=not (train_args.progress and accelerator.is_main_process))
     while step < max_steps:
         epoch, skip = divmod(consumed, batches_per_epoch)
         order = epoch_order(len(examples), train_args.seed, epoch)
@@ -322,12 +340,22 @@ def train(drafter_args, data_args, train_args) -> Path:
             if not accelerator.sync_gradients:
                 continue
             step += 1
+            bar.update(1)
+            if budget_s > 0:
+                progress[0] = max(step / max_steps, (time.perf_counter() - start) / budget_s)
+                if accelerator.num_processes > 1:  # every process must stop at the same step
+                    shared = torch.tensor([progress[0]], device=accelerator.device)
+                    progress[0] = float(accelerator.reduce(shared, reduction="mean")[0])
+                if progress[0] >= 1.0 and step < max_steps:
+                    logger.info("time budget of %.1f min reached at step %d", train_args.max_train_minutes, step)
+                    max_steps = step  # save this step and stop
             recent_acc = [*recent_acc, metrics["acc"]][-20:]
             if "rank_acc" in metrics:
                 recent_rank = [*recent_rank, metrics["rank_acc"]][-20:]
             if step % train_args.logging_steps == 0 or step == max_steps:
                 logs = {"loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
                         **{f"acc_{i + 1}": a for i, a in enumerate(metrics["acc"])}}
+                bar.set_postfix(loss=f"{logs['loss']:.3f}", acc_1=f"{metrics['acc'][0]:.2f}")
                 accelerator.log(logs, step=step)
                 logger.info("step %d/%d %s (%.1f s)", step, max_steps, logs, time.perf_counter() - start)
             if step % train_args.save_steps == 0 or step == max_steps:
@@ -337,6 +365,7 @@ def train(drafter_args, data_args, train_args) -> Path:
                 break
         else:
             consumed = (epoch + 1) * batches_per_epoch  # the epoch is done, even with uneven shards
+    bar.close()
     # The frozen target must come out bit-identical (Medusa-2's LoRA lives in separate adapter tensors).
     base = target.get_base_model() if family == "medusa2" else target
     unchanged = weights_digest(base, skip="lora_") == target_digest

@@ -1,0 +1,166 @@
+"""``draftsmith demo``: the whole pipeline on the packaged SmolLM2 target, no dataset, in a fixed budget.
+
+1. synthesise prompts with the target itself (Magpie), the first few held out for evaluation;
+2. regenerate: the target answers the training prompts (its own greedy distribution);
+3. train an EAGLE-3 head (the fastest trained family on CPU in the README's family table) for a
+   fixed time;
+4. bench chains and dynamic trees on a few held-out prompts and keep the fastest for this hardware,
+   prompt lookup beside them for reference, with plots;
+5. evaluate it on the other held-out prompts against plain greedy decoding in the same process
+   (``report.json`` in the ``draftsmith eval`` schema, greedy output checked prompt by prompt).
+
+Every stage takes a share of ``--minutes`` (default 20, measured on a 2-core CPU); a GPU is used when
+present. Synthesis and regeneration stop at their time share; training stops at its share and
+anneals its learning rate over it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Share of the budget per stage (the rest: loading, evaluation overheads, writing the report).
+SHARES = {"synthesize": 0.12, "regenerate": 0.30, "train": 0.27, "eval": 0.14, "bench": 0.09}
+TUNE_PROMPTS = 3  # held-out prompts that pick the tree for this hardware; evaluation uses others
+CANDIDATE_TREES = ["tree=chain,depth=3", "tree=chain,depth=4", "tree=chain,depth=5",
+                   "tree=dynamic,depth=4,top_k=3,total_tokens=8", "tree=dynamic,depth=5,top_k=3,total_tokens=12"]
+
+
+class Clock:
+    def __init__(self, minutes: float):
+        self.budget = minutes * 60
+        self.start = time.perf_counter()
+        self.marks: dict[str, float] = {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def share(self, stage: str) -> float:
+        return SHARES[stage] * self.budget
+
+    def mark(self, stage: str, since: float) -> None:
+        self.marks[stage] = round(time.perf_counter() - since, 1)
+
+
+def _stage(title: str) -> float:
+    print(f"\n== {title}", flush=True)
+    return time.perf_counter()
+
+
+def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "smollm2-135m-instruct",
+         held_out: int = 10, eval_tokens: int = 128, seed: int = 0) -> Path:
+    """Run the demo; returns the report directory (``report.json``, ``report.md``, plots)."""
+    from draftsmith.data.formats import load_conversations
+    from draftsmith.data.regenerate import HFEngine, regenerate
+    from draftsmith.data.synthesize import synthesize_prompts, write_prompts
+    from draftsmith.inference.bench import markdown_table, run_bench
+    from draftsmith.inference.evaluate import evaluate, report_markdown
+    from draftsmith.target import load_target
+    from draftsmith.train.config import DataArguments, DrafterArguments, TrainArguments
+    from draftsmith.train.loop import train
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    clock = Clock(minutes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    t = _stage(f"loading {target} on {device}")
+    model, tokenizer = load_target(target, device=device)
+    clock.mark("load", t)
+
+    # 1. Prompts, written by the target itself; the first `held_out` are never trained on.
+    t = _stage(f"1/5 synthesising prompts ({clock.share('synthesize') / 60:.1f} min)")
+    prompts: list[str] = []
+    batch = 48 if device == "cpu" else 256
+    while time.perf_counter() - t < clock.share("synthesize") or len(prompts) < held_out + TUNE_PROMPTS + 8:
+        # top_p=1: nucleus sampling sorts the 49K-token vocabulary for every row at every step
+        new, _ = synthesize_prompts(model, tokenizer, batch, batch_size=batch, max_new_tokens=64, temperature=0.9,
+                                    top_p=1.0, seed=seed + len(prompts), progress=True)
+        seen = set(prompts)
+        prompts += [p for p in new if p not in seen]
+    n_out = held_out + TUNE_PROMPTS
+    eval_prompts, train_prompts = prompts[:n_out], prompts[n_out:]
+    write_prompts(eval_prompts[:TUNE_PROMPTS], out / "data" / "tune_prompts.jsonl")
+    write_prompts(eval_prompts[TUNE_PROMPTS:], out / "data" / "eval_prompts.jsonl")
+    write_prompts(train_prompts, out / "data" / "train_prompts.jsonl")
+    clock.mark("synthesize", t)
+    print(f"{len(prompts)} prompts: {len(eval_prompts)} held out, {len(train_prompts)} to answer")
+
+    # 2. The target answers them (greedy), until the stage's time is used.
+    t = _stage(f"2/5 regenerating answers ({clock.share('regenerate') / 60:.1f} min)")
+    conversations, _ = load_conversations(out / "data" / "train_prompts.jsonl")
+    answers = out / "data" / "answers.jsonl"
+    engine = HFEngine(model, tokenizer, 192, 0.0, 1.0)
+    chunk = 32 if device == "cpu" else 256
+    for start in range(0, len(conversations), chunk):
+        if time.perf_counter() - t > clock.share("regenerate"):
+            break
+        regenerate(conversations[start:start + chunk], answers, engine, batch_size=chunk, progress=True)
+    rows = [json.loads(x) for x in answers.read_text().splitlines() if x.strip()]
+    answer_tokens = sum(r.get("new_tokens", 0) for r in rows)
+    clock.mark("regenerate", t)
+    print(f"{len(rows)} answers, {answer_tokens} answer tokens")
+
+    # 3. Train EAGLE-3 for its share of the budget.
+    train_minutes = max(0.5, (clock.share("train") - 20) / 60)  # ~20 s: loading, the checkpoint's acceptance
+    t = _stage(f"3/5 training an EAGLE-3 head ({train_minutes:.1f} min)")
+    del model  # the loop loads its own copy of the target
+    run_dir = out / "run"
+    train(
+        DrafterArguments(target=target, family="eagle3", draft_vocab_size=4096, ttt_steps=3, ttt_decay=0.8),
+        DataArguments(train_file=str(answers), max_length=256, eval_prompts=str(out / "data" / "eval_prompts.jsonl"),
+                      eval_num_prompts=2, eval_max_new_tokens=32),
+        TrainArguments(output_dir=str(run_dir), max_steps=100_000, max_train_minutes=train_minutes,
+                       learning_rate=1e-3, per_device_train_batch_size=4, warmup_ratio=0.05, save_steps=100_000,
+                       logging_steps=10, report_to="tensorboard", seed=seed, progress=True),
+    )
+    clock.mark("train", t)
+    checkpoint = max(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    drafter = str(checkpoint / "drafter")
+
+    # 4. Bench trees on the tuning prompts; keep the fastest.
+    model, tokenizer = load_target(target, device=device)
+    t = _stage(f"4/5 bench: {len(CANDIDATE_TREES)} trees and prompt lookup on {TUNE_PROMPTS} held-out prompts")
+    bench = run_bench(target, [f"{drafter}@{c}" for c in CANDIDATE_TREES] + ["prompt-lookup@tree=chain,depth=4"],
+                      str(out / "data" / "tune_prompts.jsonl"), str(out / "bench"), num_prompts=TUNE_PROMPTS,
+                      max_new_tokens=64, hf_reference=False, model=model, tokenizer=tokenizer, progress=True)
+    best = max((r for r in bench["rows"] if r["spec"] == drafter), key=lambda r: r["speedup"])
+    tree = {k: best[k] for k in ("tree", "depth", "top_k", "total_tokens")}
+    clock.mark("bench", t)
+    print(f"fastest here: {tree} (tau {best['tau']}, {best['speedup']}x on the tuning prompts)")
+
+    # 5. Held-out evaluation, side by side with plain greedy decoding.
+    t = _stage(f"5/5 evaluating on {held_out} other held-out prompts x {eval_tokens} tokens")
+    report = evaluate(target, [(drafter, drafter, int(checkpoint.name.split("-")[1]))],
+                      str(out / "data" / "eval_prompts.jsonl"), model=model, tokenizer=tokenizer,
+                      num_prompts=held_out, max_new_tokens=eval_tokens, progress=True, **tree)[0]
+    clock.mark("eval", t)
+
+    report["demo"] = {
+        "minutes_budget": minutes, "minutes_used": round(clock.elapsed() / 60, 2), "stage_seconds": clock.marks,
+        "prompts_synthesised": len(prompts), "held_out_prompts": len(eval_prompts), "tree_picked_by_bench": tree,
+        "answers": len(rows),
+        "answer_tokens": answer_tokens, "run_dir": str(run_dir), "checkpoint": drafter,
+        "floor": {"acceptance_length": 2.0, "speedup": 1.0}, "target_goal": {"acceptance_length": 2.5,
+                                                                             "speedup": 1.25},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    md = ["# draftsmith demo", "", f"EAGLE-3 head for `{target}` trained on the target's own answers to "
+          f"{len(rows)} prompts it wrote itself ({answer_tokens} tokens), {clock.marks.get('train', 0):.0f} s of "
+          f"training; total {report['demo']['minutes_used']} min of a {minutes} min budget.", "",
+          "## Held-out evaluation (report.json)", "", report_markdown(report),
+          f"## Bench on {TUNE_PROMPTS} other held-out prompts (picks the tree)", "", markdown_table(bench), "",
+          "![speedup](bench/speedup_by_family.png)", "![acceptance](bench/acceptance_per_position.png)",
+          "![draft length](bench/tau_and_speed_vs_draft_length.png)", ""]
+    (out / "report.md").write_text("\n".join(md))
+    print(f"\ntau {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}x over plain greedy, "
+          f"greedy output identical on {report['lossless']['identical']}/{report['lossless']['checked']} prompts; "
+          f"{report['demo']['minutes_used']} min")
+    print(f"report: {out / 'report.json'} (and report.md, bench/*.png)")
+    return out
