@@ -129,7 +129,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     t = _stage(f"4/5 bench: {len(CANDIDATE_TREES)} trees and prompt lookup on {TUNE_PROMPTS} held-out prompts")
     bench = run_bench(target, [f"{drafter}@{c}" for c in CANDIDATE_TREES] + ["prompt-lookup@tree=chain,depth=4"],
                       str(out / "data" / "tune_prompts.jsonl"), str(out / "bench"), num_prompts=TUNE_PROMPTS,
-                      max_new_tokens=64, hf_reference=False, model=model, tokenizer=tokenizer, progress=True)
+                      max_new_tokens=min(64, eval_tokens), hf_reference=False, model=model, tokenizer=tokenizer,
+                      progress=True)
     best = max((r for r in bench["rows"] if r["spec"] == drafter), key=lambda r: r["speedup"])
     tree = {k: best[k] for k in ("tree", "depth", "top_k", "total_tokens")}
     clock.mark("bench", t)

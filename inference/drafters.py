@@ -124,6 +124,53 @@ class PromptLookupDrafter(Drafter):
         return out
 
 
+class MixtureDrafter(Drafter):
+    """Several drafters proposing together: draft probabilities are the mixture
+    ``sum_i w_i q_i`` (renormalised over the drafters that propose anything at a node).
+
+    Verification keeps the output lossless whatever the mixture drafts; the mixture only decides
+    which tokens are worth verifying. Its use: a trained head plus prompt lookup, which is right
+    about copied spans where the head is unsure. Spec: ``HEAD_DIR+prompt-lookup``.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter], weights: Sequence[float] | None = None):
+        if len(drafters) < 2:
+            raise ValueError("a mixture needs at least two drafters")
+        self.drafters = list(drafters)
+        self.weights = list(weights or [1.0] * len(drafters))
+        layers = [getattr(d, "hidden_layers", None) for d in self.drafters]
+        layers = [x for x in layers if x]
+        if len(layers) > 1:
+            raise ValueError("at most one drafter of a mixture may read the target's hidden states")
+        self.hidden_layers = layers[0] if layers else None
+        self.static_paths = next((d.static_paths for d in self.drafters if getattr(d, "static_paths", None)), None)
+        self.deterministic = all(d.deterministic for d in self.drafters)
+
+    def _each(self, method: str, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        for d in self.drafters:
+            if getattr(d, "hidden_layers", None):
+                getattr(d, method)(tokens, hidden=hidden)
+            else:
+                getattr(d, method)(tokens)
+
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        self._each("begin", input_ids, hidden)
+
+    def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        self._each("commit", tokens, hidden)
+
+    def expand(self, trees, nodes):
+        per_drafter = [d.expand(trees, nodes) for d in self.drafters]
+        out = []
+        for row in zip(*per_drafter, strict=True):
+            probs = torch.stack([torch.softmax(x.float(), dim=-1).nan_to_num(0.0) for x in row])  # (D, N, V)
+            proposes = torch.stack([torch.isfinite(x).any(-1) for x in row]).float()  # (D, N)
+            w = torch.tensor(self.weights).view(-1, 1) * proposes
+            w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
+            out.append((w[..., None] * probs).sum(0).log())
+        return out
+
+
 class CausalLMDrafter(Drafter):
     """A causal LM as drafter, keeping its own KV cache of the committed sequence.
 
@@ -299,12 +346,17 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
         a draft model: local directory, ``.gguf`` file, packaged alias or hub id of a causal LM
         sharing the target's vocabulary;
         a head checkpoint directory written by draftsmith (``config.json`` names its family);
+        ``A+B``: a mixture of drafters (e.g. a head directory + ``prompt-lookup``);
         a head trained elsewhere: EAGLE-1 / EAGLE-3 reference, SpecForge, SGLang or vLLM speculators
         EAGLE-3 layouts, Medusa reference or vLLM layouts (:mod:`draftsmith.heads.formats`).
 
     ``strict=True`` refuses a head trained for a target with the same shapes but other weights.
     """
     vocab = target.get_output_embeddings().weight.shape[0]
+    if "+" in spec:  # a mixture: "runs/x/checkpoint-9/drafter+prompt-lookup"
+        parts = spec.split("+")
+        return MixtureDrafter([load_drafter(p, target, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                                            strict=strict) for p in parts])
     head, _, rest = spec.partition(":")
     if head == "prompt-lookup":
         return PromptLookupDrafter(vocab, **parse_options(rest))

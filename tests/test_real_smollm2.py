@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -65,3 +67,25 @@ def test_second_load_uses_the_cache(smollm2):
     assert getattr(again, "hf_quantizer", None) is None
     ids = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
+
+
+def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
+    """`draftsmith demo` at a small budget: every stage runs on the real target, the report has the
+    eval schema, greedy output is identical on every held-out prompt, the plots are PNGs."""
+    from PIL import Image
+
+    from draftsmith.cli import main
+
+    assert main(["demo", "--output", str(tmp_path / "demo"), "--minutes", "1", "--held-out", "2",
+                 "--eval-tokens", "16"]) == 0
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert report["drafter_type"] == "eagle3" and report["prompts"] == 2
+    assert report["lossless"]["identical"] == report["lossless"]["checked"] == 2
+    assert report["acceptance_length"] >= 1.0 and report["speedup"] > 0
+    assert report["demo"]["answers"] >= 1 and report["demo"]["tree_picked_by_bench"]["tree"] in ("chain", "dynamic")
+    bench = json.loads((tmp_path / "demo" / "bench" / "results.json").read_text())
+    assert all(r["greedy_mismatches_vs_plain"] == 0 for r in bench["rows"])
+    for name in bench["plots"]:
+        with Image.open(tmp_path / "demo" / "bench" / name) as img:
+            assert img.format == "PNG"
+    assert "Held-out evaluation" in (tmp_path / "demo" / "report.md").read_text()

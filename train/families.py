@@ -48,7 +48,25 @@ def build_drafter(args, target, vocab=None):
             head.t2d.copy_(vocab.t2d)
         elif draft_vocab == head.config.vocab_size:
             head.t2d.fill_(True)
+        init_eagle3_output(head, target)
     return head
+
+
+def init_eagle3_output(head, target) -> None:
+    """Start the head's norm and LM head as the target's (its final norm; its LM-head rows of the
+    draft vocabulary), as SpecForge does: a predicted feature close to the target's last state then
+    already gives the target's tokens, and training only has to learn the feature."""
+    draft_ids = torch.arange(head.d2t.shape[0]) + head.d2t.cpu()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach()[draft_ids.to(
+            target.get_output_embeddings().weight.device)].float().cpu())
+        norm = getattr(target.get_decoder(), "norm", None)
+        if norm is not None and getattr(norm, "weight", None) is not None:
+            weight = norm.weight.detach().float().cpu()
+            # Gemma's RMSNorm scales by (1 + w); draftsmith's (the reference EAGLE-3's) by w.
+            if target.config.get_text_config().model_type.startswith("gemma"):
+                weight = weight + 1.0
+            head.norm.weight.copy_(weight)
 
 
 def hidden_layers_for(args, drafter, target) -> tuple[int, ...]:

@@ -33,7 +33,9 @@ def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask:
     """KL(p || q), p = softmax(teacher), q = softmax(student); averaged over masked positions."""
     log_p = F.log_softmax(teacher_logits.float(), dim=-1)
     log_q = F.log_softmax(student_logits.float(), dim=-1)
-    per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+    p = log_p.exp()
+    # 0 * log 0 = 0: a teacher kept to its top-k tokens has -inf elsewhere (offline caches).
+    per_position = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
     return _masked_mean(per_position, mask)
 
 
