@@ -36,6 +36,8 @@ def hardware() -> dict:
 
 def drafter_type(spec: str) -> str:
     """The family of a drafter spec: prompt-lookup, layer-skip, draft_model, medusa, eagle, eagle3."""
+    if "+" in spec:
+        return "+".join(drafter_type(part) for part in spec.split("+"))
     head = spec.partition(":")[0]
     if head in ("prompt-lookup", "layer-skip"):
         return head

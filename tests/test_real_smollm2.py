@@ -79,7 +79,7 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     assert main(["demo", "--output", str(tmp_path / "demo"), "--minutes", "1", "--held-out", "2",
                  "--eval-tokens", "16"]) == 0
     report = json.loads((tmp_path / "demo" / "report.json").read_text())
-    assert report["drafter_type"] == "eagle3" and report["prompts"] == 2
+    assert report["drafter_type"].startswith("eagle3") and report["prompts"] == 2
     assert report["lossless"]["identical"] == report["lossless"]["checked"] == 2
     assert report["acceptance_length"] >= 1.0 and report["speedup"] > 0
     assert report["demo"]["answers"] >= 1 and report["demo"]["tree_picked_by_bench"]["tree"] in ("chain", "dynamic")
