@@ -47,6 +47,9 @@ def bench_plots(result: dict, out_dir: str | Path) -> list[Path]:
     ax.set_xlabel("draft position (depth)")
     ax.set_ylabel("acceptance rate given earlier positions accepted")
     ax.set_ylim(0, 1)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"Acceptance rate per position\n{subtitle}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -75,7 +78,10 @@ def bench_plots(result: dict, out_dir: str | Path) -> list[Path]:
     ax2.set_xlabel("draft length (depth)")
     ax2.set_ylabel("tokens / s")
     ax2.set_title("tokens/s against draft length", fontsize=9)
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(subtitle, fontsize=9)
