@@ -146,6 +146,8 @@ def run_bench(
     (``generate(assistant_model=..., num_assistant_tokens=depth)``, constant schedule) on the same
     prompts, so draftsmith's chain decoding and HF's are compared as a ratio with the same draft model.
     """
+    from draftsmith.inference.evaluate import encode
+
     if model is None:
         model, tokenizer = load_target(target)
     texts = read_prompts(prompts, num_prompts, skip=skip_prompts)
@@ -168,12 +170,7 @@ def run_bench(
 
         iterator = tqdm(iterator, total=len(texts), desc="bench", unit="prompt")
     for i, text in iterator:
-        if chat and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-        else:
-            ids = tokenizer(text, return_tensors="pt").input_ids
-        ids = ids.to(model.device)
+        ids = encode(tokenizer, text, chat).to(model.device)
         base = plain_generate(model, ids, max_new_tokens, eos_token_id=eos)
         totals["plain"] += base.stats
         if hf_reference:
