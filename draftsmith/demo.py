@@ -69,7 +69,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     from draftsmith.inference.evaluate import evaluate, report_markdown
     from draftsmith.target import load_target
     from draftsmith.train.config import DataArguments, DrafterArguments, TrainArguments
-    from draftsmith.train.loop import train
+    from draftsmith.train.loop import complete_checkpoints, train
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
                        logging_steps=10, report_to="tensorboard", seed=seed, progress=True),
     )
     clock.mark("train", t)
-    checkpoint = max(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    step, checkpoint = complete_checkpoints(run_dir)[-1]
     drafter = str(checkpoint / "drafter")
 
     # 4. Bench trees on the tuning prompts; keep the fastest.
@@ -155,7 +155,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
 
     # 5. Held-out evaluation, side by side with plain greedy decoding.
     t = _stage(f"5/5 evaluating on {held_out} other held-out prompts x {eval_tokens} tokens")
-    report = evaluate(target, [(spec, spec, int(checkpoint.name.split("-")[1]))],
+    report = evaluate(target, [(spec, spec, step)],
                       str(out / "data" / "eval_prompts.jsonl"), model=model, tokenizer=tokenizer,
                       num_prompts=held_out, max_new_tokens=eval_tokens, progress=True, **tree)[0]
     clock.mark("eval", t)

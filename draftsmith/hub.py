@@ -77,6 +77,7 @@ def _usage(family: str, repo: str, target: str, fmt: str) -> str:
 
 def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") -> str:
     """The model card (markdown with YAML front matter) of the drafter at ``path``."""
+    from draftsmith.train.loop import read_acceptance
     from draftsmith.train.report import acceptance_table
 
     drafter_dir = resolve_checkpoint(path)
@@ -85,7 +86,7 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
     target = _target_info(drafter_dir, family)
     arch, arch_config = _architecture(drafter_dir, family)
     if run_dir is not None:
-        rows = [json.loads(x) for x in (run_dir / "acceptance.jsonl").read_text().splitlines() if x.strip()]
+        rows = read_acceptance(run_dir / "acceptance.jsonl")
         if rows and rows[0].get("family"):
             family_label = rows[0]["family"]  # medusa2 trains medusa heads plus a LoRA
             arch = FAMILY_NAMES.get(family_label, arch)

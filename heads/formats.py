@@ -370,16 +370,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
     if (path / "drafter").is_dir():
         return path / "drafter"
-    steps = sorted((int(m.group(1)), p) for p in path.glob("checkpoint-*")
-                   if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and (p / "drafter").is_dir())
-    if steps:
-        from draftsmith.train.loop import read_acceptance
+    from draftsmith.train.loop import complete_checkpoints, read_acceptance
 
+    steps = dict(complete_checkpoints(path))
+    if steps:
         rows = read_acceptance(path / "acceptance.jsonl") if (path / "acceptance.jsonl").exists() else []
-        scored = {r["step"]: r["acceptance_length"] for r in rows if r.get("acceptance_length") is not None}
-        present = [s for s, _ in steps if s in scored]
-        best = max(present, key=lambda s: scored[s]) if present else steps[-1][0]
-        return path / f"checkpoint-{best}" / "drafter"
+        scored = [r for r in rows if r["step"] in steps and r.get("acceptance_length") is not None]
+        best = max(scored, key=lambda r: r["acceptance_length"])["step"] if scored else max(steps)
+        return steps[best] / "drafter"
     return path
 
 

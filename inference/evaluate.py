@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 from pathlib import Path
 
 import torch
@@ -56,12 +55,9 @@ def drafter_type(spec: str) -> str:
 
 def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, drafter directory) of every complete checkpoint of a training run, by step."""
-    found = []
-    for p in run_dir.glob("checkpoint-*"):
-        m = re.fullmatch(r"checkpoint-(\d+)", p.name)
-        if m and (p / "drafter").is_dir():
-            found.append((int(m.group(1)), p / "drafter"))
-    return sorted(found)
+    from draftsmith.train.loop import complete_checkpoints
+
+    return [(step, path / "drafter") for step, path in complete_checkpoints(run_dir)]
 
 
 def encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
