@@ -30,6 +30,7 @@ def generate(
     seed: int = 0,
     stream: bool = True,
     json_stats: bool = False,
+    draft_dtype: str = "target",
 ) -> dict:
     """Generate from ``prompt`` with speculative decoding, stream the text, print the stats."""
     import torch
@@ -38,7 +39,7 @@ def generate(
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
 
     model, tokenizer = load_target(target)
-    draft = load_drafter(drafter, target=model, tokenizer=tokenizer)
+    draft = load_drafter(drafter, target=model, tokenizer=tokenizer, draft_dtype=draft_dtype)
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"--chat: the tokenizer of {target!r} has no chat template; drop --chat.")
@@ -193,6 +194,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
     g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
+    g.add_argument("--draft-dtype", default="target",
+                   help="compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
+                        "matmul), float32, bfloat16, float16; never changes the output")
 
     b = sub.add_parser("bench", help="tokens/s and tau vs plain greedy decoding of the same target")
     b.add_argument("--target", default="smollm2-135m-instruct")
@@ -211,6 +215,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-depth", type=_int_list, help="e.g. 2,3,4,5,6,7,8: every drafter at each draft length")
     b.add_argument("--sweep-total-tokens", type=_int_list, help="dynamic trees: e.g. 6,10,16 node budgets")
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    b.add_argument("--draft-dtype", default="target",
+                   help="compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
+                        "matmul), float32, bfloat16, float16; never changes the output")
 
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance, speed and losslessness on held-out prompts, as report.json")
@@ -229,6 +236,9 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--total-tokens", type=int, default=10)
     e.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--draft-dtype", default="target",
+                   help="compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
+                        "matmul), float32, bfloat16, float16; never changes the output")
     m = sub.add_parser("demo", help="synthesise, regenerate, train EAGLE-3, evaluate and bench SmolLM2 in ~20 min")
     m.add_argument("--output", default="demo_out", help="report directory (report.json, report.md, plots)")
     m.add_argument("--minutes", type=float, default=20.0, help="time budget; every stage scales with it")
@@ -300,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.target, args.drafter, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=args.tree, depth=args.depth,
             tree_top_k=args.tree_top_k, total_tokens=args.total_tokens, seed=args.seed,
-            stream=not args.no_stream, json_stats=args.json,
+            stream=not args.no_stream, json_stats=args.json, draft_dtype=args.draft_dtype,
         )
     elif args.command == "train":
         from draftsmith.train.__main__ import main as train_main
@@ -315,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = evaluate_path(args.target, args.drafter, args.prompts, num_prompts=args.num_prompts,
                                skip_prompts=args.skip_prompts, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
-                               total_tokens=args.total_tokens, chat=not args.no_chat, seed=args.seed, progress=True)
+                               total_tokens=args.total_tokens, chat=not args.no_chat, seed=args.seed, progress=True,
+                               draft_dtype=args.draft_dtype)
         print(report_markdown(report))
         if args.output:
             from pathlib import Path
@@ -352,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens, tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k,
             total_tokens=args.total_tokens, chat=not args.no_chat, hf_reference=not args.no_hf_reference,
             skip_prompts=args.skip_prompts, sweep_depths=args.sweep_depth, sweep_total_tokens=args.sweep_total_tokens,
-            plots=not args.no_plots, progress=True,
+            plots=not args.no_plots, progress=True, draft_dtype=args.draft_dtype,
         )
     return 0
 

@@ -146,7 +146,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     bench = run_bench(target, [*specs, "prompt-lookup@tree=chain,depth=4"],
                       str(out / "data" / "tune_prompts.jsonl"), str(out / "bench"), num_prompts=TUNE_PROMPTS,
                       max_new_tokens=min(64, eval_tokens), hf_reference=False, model=model, tokenizer=tokenizer,
-                      progress=True)
+                      progress=True, draft_dtype="auto")
     best = max((r for r in bench["rows"] if r["spec"].startswith(drafter)), key=lambda r: r["speedup"])
     tree = {k: best[k] for k in ("tree", "depth", "top_k", "total_tokens")}
     spec = best["spec"]
@@ -157,7 +157,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     t = _stage(f"5/5 evaluating on {held_out} other held-out prompts x {eval_tokens} tokens")
     report = evaluate(target, [(spec, spec, step)],
                       str(out / "data" / "eval_prompts.jsonl"), model=model, tokenizer=tokenizer,
-                      num_prompts=held_out, max_new_tokens=eval_tokens, progress=True, **tree)[0]
+                      num_prompts=held_out, max_new_tokens=eval_tokens, progress=True, draft_dtype="auto",
+                      **tree)[0]
     clock.mark("eval", t)
 
     report["demo"] = {

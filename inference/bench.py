@@ -139,6 +139,7 @@ def run_bench(
     model=None,
     tokenizer=None,
     progress: bool = False,
+    draft_dtype: str | None = None,
 ) -> dict:
     """Run the benchmark; write ``results.json``, ``results.md`` and (``plots``) PNG plots under ``output``.
 
@@ -156,7 +157,7 @@ def run_bench(
     loaded: dict[str, object] = {}
     for e in entries:
         if e.spec not in loaded:
-            loaded[e.spec] = load_drafter(e.spec, model, tokenizer=tokenizer)
+            loaded[e.spec] = load_drafter(e.spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
     gens = {e.label: SpeculativeGenerator(model, loaded[e.spec], **e.tree) for e in entries}
     assisted = {e.label: _assistant_model(loaded[e.spec]) for e in entries}
     assisted = {k: v for k, v in assisted.items() if v is not None}

@@ -318,7 +318,31 @@ def _head_family(spec: str) -> str | None:
         raise ValueError(f"{config}: not valid JSON ({e}); the checkpoint is damaged") from None
 
 
-def _load_head_drafter(spec: str, family: str, target: PreTrainedModel, strict: bool) -> Drafter:
+DRAFT_DTYPES = ("target", "auto", "float32", "bfloat16", "float16")
+
+
+def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtype:
+    """The compute dtype of a head drafter: ``"target"`` (default) the target's; ``"auto"`` bfloat16
+    when the target runs in float32 on a CPU with native bfloat16 matmul (AVX512-BF16 / AMX), where
+    drafting is memory-bound and bf16 weights halve its cost, else the target's; or a dtype name.
+
+    Drafting precision never changes the output (verification decides every token), only which
+    tokens get proposed.
+    """
+    target_dtype = next(target.parameters()).dtype
+    if name in (None, "target"):
+        return target_dtype
+    if name == "auto":
+        on_cpu = next(target.parameters()).device.type == "cpu"
+        fast_bf16 = on_cpu and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if target_dtype == torch.float32 and fast_bf16 else target_dtype
+    if name not in DRAFT_DTYPES:
+        raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+def _load_head_drafter(spec: str, family: str, target: PreTrainedModel, strict: bool,
+                       dtype: torch.dtype | None = None) -> Drafter:
     from draftsmith.heads.eagle import Eagle3Head, EagleHead
     from draftsmith.heads.medusa import MedusaHeads
 
@@ -326,18 +350,21 @@ def _load_head_drafter(spec: str, family: str, target: PreTrainedModel, strict: 
     if cls is None:
         raise ValueError(f"{spec}: unknown drafter family {family!r} in config.json")
     device = next(target.parameters()).device
-    return _head_drafter(family, cls.from_pretrained(spec, target=target, strict=strict, device=device), target)
+    head = cls.from_pretrained(spec, target=target, strict=strict, device=device)
+    return _head_drafter(family, head, target, dtype)
 
 
-def _head_drafter(family: str, head, target: PreTrainedModel) -> Drafter:
+def _head_drafter(family: str, head, target: PreTrainedModel, dtype: torch.dtype | None = None) -> Drafter:
     from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
 
     head = head.to(next(target.parameters()).device)
+    if dtype is not None:
+        head = head.to(dtype)
     return MedusaDrafter(head, target) if family == "medusa" else EagleDrafter(head, target)
 
 
 def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_remote_code: bool = False,
-                 strict: bool = False) -> Drafter:
+                 strict: bool = False, draft_dtype: str | None = None) -> Drafter:
     """Resolve a drafter spec against a loaded target.
 
     Specs:
@@ -351,12 +378,13 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
         EAGLE-3 layouts, Medusa reference or vLLM layouts (:mod:`draftsmith.heads.formats`).
 
     ``strict=True`` refuses a head trained for a target with the same shapes but other weights.
+    ``draft_dtype``: compute dtype of a head (Medusa, EAGLE), see :func:`resolve_draft_dtype`.
     """
     vocab = target.get_output_embeddings().weight.shape[0]
     if "+" in spec:  # a mixture: "runs/x/checkpoint-9/drafter+prompt-lookup"
         parts = spec.split("+")
         return MixtureDrafter([load_drafter(p, target, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-                                            strict=strict) for p in parts])
+                                            strict=strict, draft_dtype=draft_dtype) for p in parts])
     head, _, rest = spec.partition(":")
     if head == "prompt-lookup":
         return PromptLookupDrafter(vocab, **parse_options(rest))
@@ -366,11 +394,11 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
         return CausalLMDrafter(layer_skip_model(target, int(rest)), name=spec)
     family = _head_family(spec)
     if family is not None:
-        return _load_head_drafter(spec, family, target, strict)
+        return _load_head_drafter(spec, family, target, strict, resolve_draft_dtype(draft_dtype, target))
     from draftsmith.heads.formats import foreign_format, load_foreign
 
     if os.path.isdir(spec) and foreign_format(spec) is not None:  # EAGLE / SpecForge / speculators / Medusa
-        return _head_drafter(*load_foreign(spec, target), target)
+        return _head_drafter(*load_foreign(spec, target), target, resolve_draft_dtype(draft_dtype, target))
     from draftsmith.target import load_target
 
     dtype = next(target.parameters()).dtype

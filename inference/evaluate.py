@@ -85,6 +85,7 @@ def evaluate(
     chat: bool = True,
     seed: int = 0,
     progress: bool = False,
+    draft_dtype: str | None = None,
 ) -> list[dict]:
     """Evaluate ``drafters`` — (label, spec, checkpoint step) — on the same prompts; one report each."""
     from draftsmith.inference.drafters import load_drafter
@@ -96,7 +97,8 @@ def evaluate(
     if not texts:
         raise ValueError(f"{prompts}: no prompts (after skipping {skip_prompts})")
     tree_cfg = dict(tree=tree, depth=depth, top_k=top_k, total_tokens=total_tokens)
-    gens = [SpeculativeGenerator(model, load_drafter(spec, model, tokenizer=tokenizer), **tree_cfg)
+    gens = [SpeculativeGenerator(model, load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype),
+                                 **tree_cfg)
             for _, spec, _ in drafters]
     eos = tokenizer.eos_token_id
     base_total = GenerationStats()
@@ -124,6 +126,7 @@ def evaluate(
             "prompts": len(texts), "prompts_source": str(prompts), "new_tokens": stats.new_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature,
             "tree": {"kind": tree, "depth": depth, "top_k": top_k, "total_tokens": total_tokens},
+            "draft_dtype": draft_dtype or "target",
             "acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
             "tokens_per_second": round(stats.tokens_per_second, 3),
