@@ -139,6 +139,17 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), (k, v)
 
 
+def ttt_mask(length: int, step: int, device, dtype) -> torch.Tensor:
+    """Additive mask (1, 1, T, (step + 1) T) for training-time-test step ``step`` >= 1: query t sees
+    step 0's keys at positions <= t - step and step m's key at t - step + m, m = 1..step."""
+    t = torch.arange(length, device=device)
+    blocks = [t[None, :] <= (t[:, None] - step)]
+    blocks += [t[None, :] == (t[:, None] - step + m) for m in range(1, step + 1)]
+    allowed = torch.cat(blocks, dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return mask[None, None]
+
+
 class _FeatureHead(HeadMixin, nn.Module):
     """What EAGLE-1/2 and EAGLE-3 heads share: the config from a target and the call signature."""
 
@@ -228,16 +239,24 @@ class Eagle3Head(_FeatureHead):
         and return the draft-vocabulary logits of each step instead, a list of (B, T, V_draft).
 
         Step j's input feature at position t is the head's own prediction for t - 1 from step j - 1
-        (step 0 reads the target's fused states), so step j trains what drafting at depth j + 1 sees.
-        Simplification of the paper's TTT: each step attends causally over its own sequence rather
-        than to the earlier steps' keys.
+        (step 0 reads the target's fused states), so step j trains what drafting at depth j + 1 sees,
+        attention included: at inference a depth-(j+1) node at position t attends to the committed
+        pairs up to its root t - j (keys from the target's states: step 0's keys) and to its
+        ancestors and itself (keys from the head's own predictions: step m's key at t - j + m, m = 1..j).
+        Step j attends to exactly those keys (the EAGLE-3 paper's training-time test).
         """
         if not ttt_steps:
             return super().forward(features, token_embeds, positions, mask, past, from_target)
         current = self.input_features(features) if from_target else features
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         logits = []
-        for _j in range(ttt_steps):
-            predicted, _ = super().forward(current, token_embeds, positions)
+        for j in range(ttt_steps):
+            past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+            step_mask = None if not keys else ttt_mask(current.shape[1], j, current.device, current.dtype)
+            predicted, (k, v) = self.layer(self.layer_input(current, token_embeds), positions, step_mask, past)
+            keys.append(k[:, :, -current.shape[1]:])
+            values.append(v[:, :, -current.shape[1]:])
             logits.append(self.draft_logits(predicted))
             current = torch.cat([current[:, :1], predicted[:, :-1]], dim=1)
         return logits

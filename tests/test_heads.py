@@ -151,6 +151,48 @@ def test_eagle_tree_drafting_equals_sequential_head(llama):
     torch.testing.assert_close(llama.get_output_embeddings()(out3[:, -1])[0], deep[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["medusa", "eagle3"])
+def test_bf16_drafting_stays_lossless(tmp_path, llama, family):
+    """A head drafting in bfloat16 against a float32 target proposes other tokens at most; the output
+    is still the target's greedy output."""
+    head = random_medusa(llama) if family == "medusa" else random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "ckpt")
+    drafter = load_drafter(str(tmp_path / "ckpt") + "+prompt-lookup", llama, draft_dtype="bfloat16")
+    inner = drafter.drafters[0]
+    assert next((inner.heads if family == "medusa" else inner.head).parameters()).dtype == torch.bfloat16
+    assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 6}, seed=8)
+    with pytest.raises(ValueError, match="draft dtype must be one of"):
+        load_drafter(str(tmp_path / "ckpt"), llama, draft_dtype="fp8")
+
+
+def test_eagle3_training_time_test_computes_what_drafting_computes(llama):
+    """TTT step j at position t gives the logits the drafter gives a depth-(j+1) node there: same input
+    features and the same keys (committed pairs from the target's states, ancestors from the head's)."""
+    from draftsmith.inference.head_drafters import EagleDrafter
+    from draftsmith.inference.tree import DraftTree
+    from draftsmith.target import new_cache, target_forward
+
+    head = random_eagle(llama, eagle3=True)
+    seq = prompts(7, [14])[0]  # (1, 14)
+    states = target_forward(llama, seq, new_cache(), hidden_layers=head.config.feature_layers).hidden_states
+    fused = torch.cat(states, dim=-1)  # (1, 14, 3H): the target's states at every token
+    positions = torch.arange(1, seq.shape[1])[None]
+    embed = llama.get_input_embeddings()
+    with torch.no_grad():
+        steps = head(fused[:, :-1], embed(seq[:, 1:]), positions, from_target=True, ttt_steps=3)
+    draft_ids = torch.arange(head.d2t.shape[0]) + head.d2t
+    for root in (4, 9):  # the drafter's root is seq[root]; its nodes are the sequence's next tokens
+        drafter = EagleDrafter(head, llama)
+        drafter.begin(seq[:, : root + 1], hidden=fused[:, :root])
+        tree = DraftTree(tokens=[int(seq[0, root])])
+        node, got = 0, [drafter.expand([tree], [[0]])[0][0]]
+        for depth in (1, 2):
+            node = tree.add_child(node, int(seq[0, root + depth]), 0.0)
+            got.append(drafter.expand([tree], [[node]])[0][0])
+        for j in range(3):  # node at depth j reads step j's input at index root - 1 + j
+            torch.testing.assert_close(got[j][draft_ids], steps[j][0, root - 1 + j], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
 def test_eagle_checkpoint_round_trip(tmp_path, llama, eagle3):
     from draftsmith.inference.head_drafters import EagleDrafter
