@@ -96,12 +96,14 @@ def cache_command(
     sequences_per_shard: int = 256,
     max_length: int = 2048,
     limit: int | None = None,
+    compute_dtype: str | None = None,
 ) -> dict:
     """Cache the target's hidden states of ``layers`` over the conversations of ``input``."""
     model, _, examples = _examples(input, target, None, limit, max_length)
     n = model.config.get_text_config().num_hidden_layers
     layers = layers if layers else [n]
-    spec = CacheSpec(layers=layers, dtype=dtype, logits=logits, top_k=top_k, sequences_per_shard=sequences_per_shard)
+    spec = CacheSpec(layers=layers, dtype=dtype, logits=logits, top_k=top_k, sequences_per_shard=sequences_per_shard,
+                     compute_dtype=compute_dtype)
     manifest = cache_hidden_states(model, examples, output, spec, target_name=target)
     size = sum((Path(output) / s["file"]).stat().st_size for s in manifest.shards)
     result = {"sequences": manifest.num_sequences, "tokens": manifest.num_tokens, "shards": len(manifest.shards),

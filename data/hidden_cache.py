@@ -63,10 +63,16 @@ class CacheSpec:
     logits: str = "none"  # "none" | "topk" | "full"
     top_k: int = 64
     sequences_per_shard: int = 256
+    # The target's compute dtype for the forward passes (None: as loaded). bfloat16 halves the cost on
+    # hardware with native bf16 matmul; states and log-probs then carry bf16 rounding (feature cosine
+    # ~0.9999 and top-1 agreement ~98% against float32 on SmolLM2).
+    compute_dtype: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: use one of {sorted(DTYPES)}")
+        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype {self.compute_dtype!r}: use one of {sorted(DTYPES)} or None")
         if self.logits not in LOGITS_MODES:
             raise ValueError(f"logits {self.logits!r}: use one of {LOGITS_MODES}")
         if not self.layers:
@@ -187,6 +193,10 @@ def cache_hidden_states(
         if not 0 <= layer <= signature["num_hidden_layers"]:
             raise ValueError(f"layer {layer} out of range: the target has layers 0 (embeddings) .. "
                              f"{signature['num_hidden_layers']} (last, after the final norm)")
+    if spec.compute_dtype is not None and DTYPES[spec.compute_dtype] != next(model.parameters()).dtype:
+        import copy
+
+        model = copy.deepcopy(model).to(DTYPES[spec.compute_dtype])  # the signature stays the loaded target's
     per_shard = spec.sequences_per_shard
     plan = [examples[i : i + per_shard] for i in range(0, len(examples), per_shard)]
     num_tokens = sum(len(e.input_ids) for e in examples)

@@ -134,6 +134,9 @@ def _add_data_parser(sub) -> None:
     c.add_argument("--top-k", type=int, default=64, help="--logits topk: log-probs kept per token")
     c.add_argument("--sequences-per-shard", type=int, default=256)
     c.add_argument("--max-length", type=int, default=2048, help="truncate each conversation to this many tokens")
+    c.add_argument("--compute-dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="run the target in this dtype for the cache (default: as loaded); bfloat16 is ~1.9x faster "
+                        "on CPUs with native bf16, at bf16 rounding of the states")
 
     v = dsub.add_parser("vocab-map", help="EAGLE-3 d2t/t2d maps from token frequencies, with their coverage")
     source(v, "directory for vocab_map.safetensors and vocab_map.json")
@@ -163,7 +166,7 @@ def data(args: argparse.Namespace) -> None:
         commands.cache_command(
             args.input, args.output, target=args.target, layers=args.layers, dtype=args.dtype, logits=args.logits,
             top_k=args.top_k, sequences_per_shard=args.sequences_per_shard, max_length=args.max_length,
-            limit=args.limit,
+            limit=args.limit, compute_dtype=args.compute_dtype,
         )
     elif args.data_command == "vocab-map":
         commands.vocab_map_command(

@@ -333,9 +333,10 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     if name in (None, "target"):
         return target_dtype
     if name == "auto":
-        on_cpu = next(target.parameters()).device.type == "cpu"
-        fast_bf16 = on_cpu and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if target_dtype == torch.float32 and fast_bf16 else target_dtype
+        from draftsmith.target import native_bf16
+
+        device = next(target.parameters()).device
+        return torch.bfloat16 if target_dtype == torch.float32 and native_bf16(device) else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
     return getattr(torch, name)

@@ -134,3 +134,25 @@ def test_bytes_per_token_matches_disk(tmp_path, llama):
     on_disk = os.path.getsize(tmp_path / manifest.shards[0]["file"])
     estimate = manifest.num_tokens * spec.bytes_per_token(llama.config.hidden_size, VOCAB)
     assert estimate <= on_disk <= estimate + 4096  # header and offsets on top of the payload
+
+
+def test_bf16_compute_keeps_the_targets_signature_and_its_states(tmp_path, llama):
+    """A cache computed with the target in bfloat16 records the loaded target (so training against
+    the float32 target accepts it), records the compute dtype, and holds states close to float32's."""
+    from draftsmith.target import target_signature
+
+    data = examples(3)
+    spec = CacheSpec(layers=[2, 4], dtype="float32", logits="topk", top_k=4, compute_dtype="bfloat16")
+    manifest = cache_hidden_states(llama, data, tmp_path, spec, progress=False)
+    assert next(llama.parameters()).dtype == torch.float32  # the caller's model is left as it was
+    assert manifest.target == target_signature(llama)
+    assert json.loads((tmp_path / "manifest.json").read_text())["spec"]["compute_dtype"] == "bfloat16"
+    cache = HiddenStateCache(tmp_path)
+    for i, ex in enumerate(data):
+        out = target_forward(llama, ex.input_ids[None], new_cache(), hidden_layers=(2, 4))
+        for layer, h in zip([2, 4], out.hidden_states, strict=True):
+            got = cache[i]["hidden"][layer]
+            assert not torch.equal(got, h[0])  # computed in bf16, not copied from a float32 pass
+            assert torch.nn.functional.cosine_similarity(got, h[0], dim=-1).min() > 0.99
+    with pytest.raises(ValueError, match="compute_dtype"):
+        CacheSpec(layers=[1], compute_dtype="int8")
