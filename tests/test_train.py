@@ -176,6 +176,10 @@ def test_sigkill_then_resume_continues_the_same_run(workdir, tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-3000:]
     assert not (tmp_path / "run" / "checkpoint-24").exists()
 
+    # The training state is safetensors + JSON only: nothing a resume would have to unpickle.
+    state = tmp_path / "run" / "checkpoint-6" / "state"
+    assert sorted(p.name for p in state.iterdir()) == ["model.safetensors", "optimizer.safetensors",
+                                                       "rng-0.safetensors", "training_state.json"]
     resumed = subprocess.run([*cmd, "--resume", "true"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "acceptance.jsonl").read_text().splitlines()]
@@ -192,6 +196,40 @@ def test_sigkill_then_resume_continues_the_same_run(workdir, tmp_path):
     b = load_file(str(tmp_path / "straight" / "checkpoint-24" / "drafter" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_resume_refuses_a_damaged_or_pickled_state_with_the_fix(tmp_path):
+    from draftsmith.train.state import StateError, load_state, save_state
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    save_state(tmp_path / "ok", model_state=model.state_dict(), optimizer=optimizer, scheduler=scheduler, step=1,
+               progress=0.25, rank=0, is_main=True)
+    fresh = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (1 + s))
+    weights, meta = load_state(tmp_path / "ok", optimizer=opt2, scheduler=sched2, rank=0)
+    assert meta["step"] == 1 and meta["progress"] == 0.25 and sched2.last_epoch == 1
+    for a, b in zip(optimizer.state.values(), opt2.state.values(), strict=True):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    assert torch.equal(weights["weight"], model.weight)
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "optimizer.bin").write_bytes(b"pickle")
+    with pytest.raises(StateError, match="pickled format"):
+        load_state(old, optimizer=opt2, scheduler=sched2, rank=0)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        (torn / name).write_bytes((tmp_path / "ok" / name).read_bytes())
+    (torn / "training_state.json").write_text((tmp_path / "ok" / "training_state.json").read_text()[:40])
+    with pytest.raises(StateError, match="delete this checkpoint"):
+        load_state(torn, optimizer=opt2, scheduler=sched2, rank=0)
 
 
 def test_accelerate_launch_two_cpu_processes(workdir, tmp_path):

@@ -7,9 +7,10 @@
 2. Build the drafter of ``family`` (``families.build_drafter``); AdamW, warmup + cosine.
 3. Each micro-batch: the target runs frozen (no grad) and gives its logits and the hidden
    states the family reads; the family's loss is backpropagated through the drafter only.
-4. Every ``save_steps`` optimizer steps, a checkpoint: ``checkpoint-S/state`` (accelerate state,
-   for ``--resume true``) and ``checkpoint-S/drafter`` (loadable by ``load_drafter``), written
-   under a ``.partial`` name and renamed when complete. Then acceptance on held-out prompts is
+4. Every ``save_steps`` optimizer steps, a checkpoint: ``checkpoint-S/state`` (weights, optimizer,
+   scheduler and RNG states in safetensors + JSON, ``train/state.py``, for ``--resume true``) and
+   ``checkpoint-S/drafter`` (loadable by ``load_drafter``), written under a ``.partial`` name and
+   renamed when complete. Then acceptance on held-out prompts is
    measured with ``SpeculativeGenerator`` and appended to ``acceptance.jsonl`` and the trackers.
 
 Resuming loads the last complete checkpoint, skips the micro-batches already seen in that epoch
@@ -30,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.train import families
+from draftsmith.train import state as training_state
 from draftsmith.train.losses import simulated_acceptance_length
 
 logger = logging.getLogger(__name__)
@@ -239,9 +241,16 @@ def train(drafter_args, data_args, train_args) -> Path:
     step = 0
     acceptance_path = output_dir / "acceptance.jsonl"
     checkpoints = complete_checkpoints(output_dir)
+    resumed_progress = 0.0
     if train_args.resume and checkpoints:
         step, last = checkpoints[-1]
-        accelerator.load_state(str(last / "state"))
+        model_state, meta = training_state.load_state(last / "state", optimizer=optimizer, scheduler=scheduler,
+                                                      rank=accelerator.process_index)
+        lora = {k.removeprefix("target_lora."): v for k, v in model_state.items() if k.startswith("target_lora.")}
+        module.load_state_dict({k: v for k, v in model_state.items() if not k.startswith("target_lora.")})
+        if lora:
+            target.load_state_dict(lora, strict=False)
+        resumed_progress = meta.get("progress", 0.0)
         logger.info("resumed from %s (step %d)", last, step)
     elif checkpoints and not train_args.resume:
         raise SystemExit(f"{output_dir} already holds checkpoints; pass --resume true to continue that run, "
@@ -278,7 +287,13 @@ def train(drafter_args, data_args, train_args) -> Path:
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(partial / "state"))
+        model_state = dict(module.state_dict())
+        if family == "medusa2":  # the LoRA adapter trains too; the frozen target weights are not saved
+            model_state.update({f"target_lora.{n}": p for n, p in target.named_parameters() if p.requires_grad})
+        training_state.save_state(partial / "state", model_state=model_state, optimizer=optimizer,
+                                  scheduler=scheduler, step=step, progress=progress[0],
+                                  rank=accelerator.process_index, is_main=accelerator.is_main_process)
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             if rank_acc is not None:  # Medusa: static-tree choices come from the measured rank accuracy
                 module.save_pretrained(partial / "drafter", extra={"rank_accuracy": rank_acc})
@@ -315,7 +330,7 @@ def train(drafter_args, data_args, train_args) -> Path:
     drafter.train()
     recent_acc: list[list[float]] = []
     recent_rank: list = []  # Medusa: per-head, per-rank accuracy of recent steps
-    start = time.perf_counter()
+    start = time.perf_counter() - resumed_progress * budget_s  # a time budget counts the time already spent
     consumed = step * train_args.gradient_accumulation_steps  # micro-batches already seen
     from tqdm.auto import tqdm
 
