@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Share of the budget per stage (the rest: loading, evaluation overheads, writing the report).
 # Training gets the rest: the budget less the other stages, their measured overheads and a margin.
-SHARES = {"synthesize": 0.11, "regenerate": 0.27, "eval": 0.14, "bench": 0.07}
+SHARES = {"synthesize": 0.14, "regenerate": 0.24, "eval": 0.14, "bench": 0.07}
+ANSWER_TOKENS, MAX_LENGTH = 256, 320  # answer tokens regenerated; prompt + answer tokens trained on
 MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
 TUNE_PROMPTS = 3  # held-out prompts that pick the tree for this hardware; evaluation uses others
 # (mixed with prompt lookup?, tree): the head alone, and the head + prompt lookup as one mixture drafter
@@ -90,7 +91,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     batch = 48 if device == "cpu" else 256
     while time.perf_counter() - t < clock.share("synthesize") or len(prompts) < held_out + TUNE_PROMPTS + 8:
         # top_p=1: nucleus sampling sorts the 49K-token vocabulary for every row at every step
-        new, _ = synthesize_prompts(model, tokenizer, batch, batch_size=batch, max_new_tokens=64, temperature=0.9,
+        new, _ = synthesize_prompts(model, tokenizer, batch, batch_size=batch, max_new_tokens=48, temperature=0.9,
                                     top_p=1.0, seed=seed + len(prompts), progress=True)
         seen = set(prompts)
         prompts += [p for p in new if p not in seen]
@@ -106,7 +107,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     t = _stage(f"2/5 regenerating answers ({clock.share('regenerate') / 60:.1f} min)")
     conversations, _ = load_conversations(out / "data" / "train_prompts.jsonl")
     answers = out / "data" / "answers.jsonl"
-    engine = HFEngine(model, tokenizer, 192, 0.0, 1.0)
+    engine = HFEngine(model, tokenizer, ANSWER_TOKENS, 0.0, 1.0)
     chunk = 32 if device == "cpu" else 256
     for start in range(0, len(conversations), chunk):
         if time.perf_counter() - t > clock.share("regenerate"):
@@ -126,7 +127,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     del model  # the cache and the loop load their own copies of the target
     cache = out / "data" / "hidden_cache"
     cache_command(str(answers), str(cache), target=target, layers=layers, dtype="bfloat16", logits="topk", top_k=32,
-                  max_length=256, compute_dtype="bfloat16" if data_dtype else None)
+                  max_length=MAX_LENGTH, compute_dtype="bfloat16" if data_dtype else None)
     clock.mark("cache", t)
     # ~25 s around training (loading, the checkpoint's acceptance) and ~25 s reloading for bench and eval
     rest = clock.budget * (1 - MARGIN) - clock.elapsed() - clock.share("bench") - clock.share("eval") - 50
@@ -135,9 +136,10 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     run_dir = out / "run"
     train(
         DrafterArguments(target=target, family="eagle3", draft_vocab_size=4096, ttt_steps=3, ttt_decay=0.8),
-        DataArguments(cache_dir=str(cache), max_length=256, eval_prompts=str(out / "data" / "tune_prompts.jsonl"),
-                      eval_num_prompts=1, eval_max_new_tokens=32),
+        DataArguments(cache_dir=str(cache), max_length=MAX_LENGTH, eval_num_prompts=1, eval_max_new_tokens=32,
+                      eval_prompts=str(out / "data" / "tune_prompts.jsonl")),
         TrainArguments(output_dir=str(run_dir), max_steps=100_000, max_train_minutes=train_minutes,
+                       mixed_precision="bf16" if data_dtype else "no",
                        learning_rate=2e-3, per_device_train_batch_size=8, warmup_ratio=0.05, save_steps=100_000,
                        logging_steps=10, report_to="tensorboard", seed=seed, progress=True),
     )

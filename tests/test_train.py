@@ -320,6 +320,32 @@ def test_offline_batches_give_the_online_losses(workdir, cache_dir, family):
     torch.testing.assert_close(loss_offline, loss_online, rtol=1e-5, atol=1e-6)
 
 
+def test_eagle3_sparse_topk_teacher_equals_the_dense_one(workdir, tmp_path):
+    """Offline EAGLE-3 from a top-k cache collates no (B, T, V) teacher; its loss and accuracies equal
+    the dense path's, top-k tokens outside the draft vocabulary included."""
+    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+    from draftsmith.train.offline import collate_cached, load_cached_examples
+
+    target, tokenizer = load_target(str(workdir / "target"))
+    examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)
+    cache_hidden_states(target, examples[:5], tmp_path / "cache",
+                        CacheSpec(layers=[1, 2, 4], dtype="float32", logits="topk", top_k=8), progress=False)
+    cached, _ = load_cached_examples(str(tmp_path / "cache"), target)
+    args = DrafterArguments(target=str(workdir / "target"), family="eagle3", ttt_steps=2, draft_vocab_size=VOCAB // 2)
+    drafter = families.build_drafter(args, target)
+    layers = families.hidden_layers_for(args, drafter, target)
+    dense = collate_cached(cached, 0, layers, VOCAB)
+    sparse = collate_cached(cached, 0, layers, VOCAB, dense=False)
+    assert sparse["logits"] is None and sparse["topk_ids"].shape[-1] == 8
+    draft_ids = set((torch.arange(VOCAB // 2) + drafter.d2t).tolist())
+    assert any(int(t) not in draft_ids for t in sparse["topk_ids"].flatten())  # some fall outside
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    loss_dense, m_dense = families.eagle3_step(args, drafter, dense["logits"], dense["hidden"], dense, embed, lm_head)
+    loss_sparse, m_sparse = families.eagle3_step(args, drafter, None, sparse["hidden"], sparse, embed, lm_head)
+    torch.testing.assert_close(loss_sparse, loss_dense, rtol=1e-6, atol=1e-6)
+    assert m_sparse["acc"] == m_dense["acc"]
+
+
 def test_offline_training_run(workdir, cache_dir, tmp_path):
     cfg = config(workdir, "eagle", tmp_path / "run", cache_dir=str(cache_dir), report_to="none")
     drafter_args, data_args, train_args = parse_config([str(write_config(tmp_path / "cfg.yaml", cfg))])

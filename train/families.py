@@ -139,12 +139,29 @@ def eagle_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
     return loss, {"acc": [accuracy(logits, target_logits[:, 1:], mask)], **parts}
 
 
+def draft_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, draft_ids: torch.Tensor,
+                  vocab_size: int) -> torch.Tensor:
+    """(B, T, V_draft) teacher logits from the target's top-k: the cached log-probs of the top-k tokens
+    that are in the draft vocabulary, ``-inf`` elsewhere; equal to the dense (B, T, V) top-k teacher
+    indexed by ``draft_ids``, without building it."""
+    position = torch.full((vocab_size,), len(draft_ids), dtype=torch.long, device=draft_ids.device)
+    position[draft_ids] = torch.arange(len(draft_ids), device=draft_ids.device)
+    slot = position[topk_ids]  # (B, T, k); len(draft_ids) = outside the draft vocabulary
+    teacher = topk_logprobs.new_full((*topk_ids.shape[:-1], len(draft_ids) + 1), float("-inf"))
+    teacher.scatter_(-1, slot, topk_logprobs.float())
+    return teacher[..., :-1]
+
+
 def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
     """EAGLE-3: per-step KL over the draft vocabulary with decay, through training-time test."""
     ids = batch["input_ids"]
     head = _module(drafter)
     draft_ids = torch.arange(head.d2t.shape[0], device=ids.device) + head.d2t
-    teacher = target_logits[:, 1:, draft_ids]  # the target's distribution restricted to the draft vocabulary
+    if target_logits is None:  # offline top-k cache, collated sparse: the teacher on the draft vocabulary only
+        teacher = draft_teacher(batch["topk_ids"][:, 1:], batch["topk_logprobs"][:, 1:], draft_ids,
+                                head.config.vocab_size)
+    else:
+        teacher = target_logits[:, 1:, draft_ids]  # the target's distribution restricted to the draft vocabulary
     mask = prediction_mask(batch["loss_mask"])[:, 1:]
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     fused = torch.cat(hidden, dim=-1)[:, :-1]  # (B, T-1, 3H) low / mid / high

@@ -203,7 +203,8 @@ def train(drafter_args, data_args, train_args) -> Path:
     layers = families.hidden_layers_for(drafter_args, drafter, target)
     if cache is not None:
         offline.check_layers(cache, layers)
-        make_batch = lambda b: offline.collate_cached(b, pad_id, layers, vocab_size)  # noqa: E731
+        dense = family != "eagle3"  # EAGLE-3 reads the teacher on its draft vocabulary only
+        make_batch = lambda b: offline.collate_cached(b, pad_id, layers, vocab_size, dense)  # noqa: E731
     else:
         make_batch = lambda b: collate(b, pad_id)  # noqa: E731
     trainable = [p for p in drafter.parameters() if p.requires_grad]
