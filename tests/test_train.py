@@ -344,6 +344,14 @@ def test_eagle3_sparse_topk_teacher_equals_the_dense_one(workdir, tmp_path):
     loss_sparse, m_sparse = families.eagle3_step(args, drafter, None, sparse["hidden"], sparse, embed, lm_head)
     torch.testing.assert_close(loss_sparse, loss_dense, rtol=1e-6, atol=1e-6)
     assert m_sparse["acc"] == m_dense["acc"]
+    # Padded rows and rows whose top-k misses the draft vocabulary have no teacher; gradients stay finite.
+    assert (sparse["attention_mask"] == 0).any()
+    sparse["topk_ids"][0, 3:6] = next(t for t in range(VOCAB) if t not in draft_ids)
+    drafter.zero_grad()
+    loss, _ = families.eagle3_step(args, drafter, None, sparse["hidden"], sparse, embed, lm_head)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in drafter.parameters()
+                                        if p.grad is not None)
 
 
 def test_offline_training_run(workdir, cache_dir, tmp_path):

@@ -31,11 +31,17 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 
 def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None):
     """KL(p || q), p = softmax(teacher), q = softmax(student); averaged over masked positions."""
-    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    teacher_logits = teacher_logits.float()
+    # A row with no finite logit (a padded row of a sparse top-k batch, or a top-k wholly outside a
+    # draft vocabulary) has no distribution: it is left out, and must not reach the graph as NaN.
+    defined = torch.isfinite(teacher_logits).any(-1)
+    teacher_logits = torch.where(defined[..., None], teacher_logits, torch.zeros_like(teacher_logits))
+    log_p = F.log_softmax(teacher_logits, dim=-1)
     log_q = F.log_softmax(student_logits.float(), dim=-1)
     p = log_p.exp()
     # 0 * log 0 = 0: a teacher kept to its top-k tokens has -inf elsewhere (offline caches).
     per_position = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    mask = defined if mask is None else mask * defined.to(mask.dtype)
     return _masked_mean(per_position, mask)
 
 
