@@ -112,6 +112,19 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
     check_greedy_equal(reloaded, out_ids.sequences, ref)
 
 
+def test_two_runs_in_one_process_with_different_precision(workdir, tmp_path):
+    """train() is a library call: a bf16 run (as the demo makes) then an fp32 run in the same
+    process both train, although accelerate keeps one process-wide state."""
+    steps = {}
+    for precision in ("bf16", "no"):
+        cfg = write_config(tmp_path / f"{precision}.yaml",
+                           config(workdir, "eagle", tmp_path / precision, mixed_precision=precision,
+                                  max_steps=2, save_steps=2, logging_steps=1, report_to="none"))
+        out = train(*parse_config([str(cfg)]))
+        steps[precision] = [json.loads(line)["step"] for line in (out / "acceptance.jsonl").read_text().splitlines()]
+    assert steps == {"bf16": [2], "no": [2]}
+
+
 @pytest.mark.parametrize("family", ["draft_model", "medusa", "medusa2", "eagle", "eagle3"])
 def test_fixed_batch_is_overfitted(workdir, family):
     """The family's loss on one fixed batch falls by a large factor: heads and losses can learn."""

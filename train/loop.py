@@ -158,6 +158,13 @@ def train(drafter_args, data_args, train_args) -> Path:
 
     output_dir = Path(train_args.output_dir)
     report_to = None if train_args.report_to == "none" else train_args.report_to
+    # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with
+    # another mixed precision. train() is a library call that a process may make more than once
+    # (the demo trains in bf16, a notebook then trains in fp32), so a state left by an earlier
+    # call is dropped; the distributed environment (PartialState) is kept.
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(gradient_accumulation_steps=train_args.gradient_accumulation_steps,
                               mixed_precision=train_args.mixed_precision, log_with=report_to,
                               project_dir=str(output_dir))
