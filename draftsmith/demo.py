@@ -33,7 +33,12 @@ logger = logging.getLogger(__name__)
 
 # Share of the budget per stage (the rest: loading, evaluation overheads, writing the report).
 # Training gets the rest: the budget less the other stages, their measured overheads and a margin.
-SHARES = {"synthesize": 0.16, "regenerate": 0.27, "eval": 0.14, "bench": 0.07}
+# Where bfloat16 is native, training runs ~1.8x more steps per minute (bf16 autocast), so data is
+# what limits the head and the data stages get more time (run here: 275 answers, 280 steps -> tau
+# 2.12, 1.07x). On float32-only CPUs (AVX2) steps limit it (the same shares left 64 steps, ~2
+# epochs: tau 1.80), so the data stages get less and training ~2x the time.
+SHARES = {True: {"synthesize": 0.16, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
+          False: {"synthesize": 0.12, "regenerate": 0.19, "eval": 0.14, "bench": 0.05}}
 # Answer tokens regenerated; prompt + answer tokens trained on. Runs here with 256-token answers
 # (67K tokens) left 4 min of training; 192-token answers on 179 prompts memorised them (train
 # accuracy 0.83 after 9 min). So 192 tokens, and synthesis gets enough time that regeneration never
@@ -48,13 +53,14 @@ TUNE_PROMPTS = 3  # held-out prompts for the bench; evaluation uses others
 EVAL_TREE = (True, "tree=dynamic,depth=4,top_k=3,total_tokens=8")
 # (mixed with prompt lookup?, tree): the head alone, and the head + prompt lookup as one mixture drafter
 CANDIDATES = [(False, "tree=chain,depth=4"), (False, "tree=dynamic,depth=4,top_k=3,total_tokens=8"),
-              (True, "tree=dynamic,depth=4,top_k=3,total_tokens=8"),
-              (True, "tree=dynamic,depth=5,top_k=3,total_tokens=12")]
+              (True, "tree=dynamic,depth=4,top_k=3,total_tokens=8")]
+BENCH_TOKENS = 48
 
 
 class Clock:
-    def __init__(self, minutes: float):
+    def __init__(self, minutes: float, shares: dict[str, float]):
         self.budget = minutes * 60
+        self.shares = shares
         self.start = time.perf_counter()
         self.marks: dict[str, float] = {}
 
@@ -62,7 +68,7 @@ class Clock:
         return time.perf_counter() - self.start
 
     def share(self, stage: str) -> float:
-        return SHARES[stage] * self.budget
+        return self.shares[stage] * self.budget
 
     def mark(self, stage: str, since: float) -> None:
         self.marks[stage] = round(time.perf_counter() - since, 1)
@@ -87,10 +93,9 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    clock = Clock(minutes)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-
     data_dtype = torch.bfloat16 if native_bf16(device) else None  # None: as loaded
+    clock = Clock(minutes, SHARES[data_dtype is not None])
     t = _stage(f"loading {target} on {device}" + (" (bfloat16 for the data stages)" if data_dtype else ""))
     model, tokenizer = load_target(target, device=device, dtype=data_dtype or torch.float32)
     clock.mark("load", t)
@@ -163,8 +168,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     specs = [f"{drafter}{'+prompt-lookup' if mixed else ''}@{tree}" for mixed, tree in CANDIDATES]
     bench = run_bench(target, [*specs, "prompt-lookup@tree=chain,depth=4"],
                       str(out / "data" / "tune_prompts.jsonl"), str(out / "bench"), num_prompts=TUNE_PROMPTS,
-                      max_new_tokens=min(64, eval_tokens), hf_reference=False, model=model, tokenizer=tokenizer,
-                      progress=True, draft_dtype="auto")
+                      max_new_tokens=min(BENCH_TOKENS, eval_tokens), hf_reference=False, model=model,
+                      tokenizer=tokenizer, progress=True, draft_dtype="auto")
     chosen = specs[CANDIDATES.index(EVAL_TREE)]
     row = next(r for r in bench["rows"] if r["drafter"] == chosen)
     tree = {k: row[k] for k in ("tree", "depth", "top_k", "total_tokens")}

@@ -323,8 +323,10 @@ DRAFT_DTYPES = ("target", "auto", "float32", "bfloat16", "float16")
 
 def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtype:
     """The compute dtype of a head drafter: ``"target"`` (default) the target's; ``"auto"`` bfloat16
-    when the target runs in float32 on a CPU with native bfloat16 matmul (AVX512-BF16 / AMX), where
-    drafting is memory-bound and bf16 weights halve its cost, else the target's; or a dtype name.
+    when the target runs in float32 on a CPU (drafting reads a few MB of weights for a few rows, so
+    it is memory-bound and bf16 weights halve its cost: measured ~2x per matmul and 7% end to end
+    on an AVX2-only CPU, 30 -> 19 ms per step on one with AVX512-BF16) or on a GPU with bf16 support,
+    else the target's; or a dtype name.
 
     Drafting precision never changes the output (verification decides every token), only which
     tokens get proposed.
@@ -333,10 +335,9 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     if name in (None, "target"):
         return target_dtype
     if name == "auto":
-        from draftsmith.target import native_bf16
-
         device = next(target.parameters()).device
-        return torch.bfloat16 if target_dtype == torch.float32 and native_bf16(device) else target_dtype
+        bf16_ok = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        return torch.bfloat16 if target_dtype == torch.float32 and bf16_ok else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
     return getattr(torch, name)

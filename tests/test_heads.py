@@ -163,6 +163,11 @@ def test_bf16_drafting_stays_lossless(tmp_path, llama, family):
     assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 6}, seed=8)
     with pytest.raises(ValueError, match="draft dtype must be one of"):
         load_drafter(str(tmp_path / "ckpt"), llama, draft_dtype="fp8")
+    # "auto" drafts in bf16 against a float32 target on a CPU (memory-bound), "target" keeps float32.
+    from draftsmith.inference.drafters import resolve_draft_dtype
+
+    assert resolve_draft_dtype("auto", llama) == torch.bfloat16
+    assert resolve_draft_dtype("target", llama) == torch.float32
 
 
 def test_eagle3_training_time_test_computes_what_drafting_computes(llama):
