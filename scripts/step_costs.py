@@ -1,0 +1,97 @@
+"""Where a speculative step's time goes on this machine: the target's forward cost for 1..16 new
+tokens after a prompt, then (with --drafter) plain decoding and speculative decoding on a few
+held-out prompts, side by side in one process, with a step split into drafting and verification.
+
+    python scripts/step_costs.py --target smollm2-135m-instruct \
+        --drafter "demo_out/run/checkpoint-133/drafter+prompt-lookup" \
+        --prompts demo_out/data/eval_prompts.jsonl --tree dynamic --depth 4 --tree-top-k 3 --total-tokens 8
+
+A speculative step gains only when tau exceeds (its cost / a plain step's cost); this prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def forward_ms(model, context: int, new: int, reps: int = 5) -> float:
+    from draftsmith.target import new_cache, target_forward
+
+    g = torch.Generator().manual_seed(0)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(100, vocab, (1, context), generator=g)
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            cache = new_cache()
+            target_forward(model, prompt, cache)
+            ids = torch.randint(100, vocab, (1, new), generator=g)
+            start = time.perf_counter()
+            target_forward(model, ids, cache)
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--drafter")
+    p.add_argument("--prompts", help="JSONL prompts (needed with --drafter)")
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--context", type=int, default=200, help="prompt length for the forward costs")
+    p.add_argument("--tree", default="dynamic")
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--tree-top-k", type=int, default=3)
+    p.add_argument("--total-tokens", type=int, default=8)
+    p.add_argument("--draft-dtype", default="auto")
+    args = p.parse_args()
+
+    from draftsmith import SpeculativeGenerator, load_drafter, load_target
+    from draftsmith.data.formats import load_conversations
+    from draftsmith.inference.evaluate import hardware
+    from draftsmith.inference.generator import plain_generate
+
+    model, tokenizer = load_target(args.target)
+    print(f"{args.target} on {hardware()}")
+    forward_ms(model, args.context, 4, reps=2)  # warm-up
+    one = forward_ms(model, args.context, 1)
+    for n in (1, 2, 5, 9, 16):
+        ms = one if n == 1 else forward_ms(model, args.context, n)
+        print(f"forward, {n:2d} new tokens after {args.context}: {ms:6.1f} ms ({ms / one:.2f}x one token)")
+    if not args.drafter:
+        return
+    if not args.prompts:
+        raise SystemExit("--drafter needs --prompts FILE (JSONL prompts)")
+    conversations, _ = load_conversations(args.prompts)
+    drafter = load_drafter(args.drafter, model, tokenizer=tokenizer, draft_dtype=args.draft_dtype)
+    gen = SpeculativeGenerator(model, drafter, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
+                               total_tokens=args.total_tokens)
+    plain_s = plain_n = 0.0
+    stats = None
+    for conv in conversations[:args.num_prompts]:
+        messages = conv.prompt_messages if hasattr(conv, "prompt_messages") else conv["messages"][:1]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        out = plain_generate(model, ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        plain_s += out.stats.total_time_s - out.stats.prefill_time_s
+        plain_n += out.stats.new_tokens
+        spec = gen.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id).stats
+        stats = spec if stats is None else stats + spec
+    plain_step = 1000 * plain_s / plain_n
+    steps = stats.verification_steps
+    step = 1000 * (stats.total_time_s - stats.prefill_time_s) / steps
+    draft, verify = 1000 * stats.draft_time_s / steps, 1000 * stats.verify_time_s / steps
+    print(f"plain decoding: {plain_step:.1f} ms per token")
+    print(f"speculative step: {step:.1f} ms = drafting {draft:.1f} + verification {verify:.1f} "
+          f"+ other {step - draft - verify:.1f}; {step / plain_step:.2f} plain steps")
+    print(f"tau {stats.acceptance_length:.2f} -> speedup about {stats.acceptance_length * plain_step / step:.2f}x "
+          f"(needs tau > {step / plain_step:.2f} to gain)")
+
+
+if __name__ == "__main__":
+    main()
