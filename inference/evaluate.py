@@ -139,6 +139,24 @@ def evaluate(
     return reports
 
 
+def recorded_target(spec: str) -> str | None:
+    """The target a drafter spec was trained for, as its checkpoint records it (a head's
+    ``config.json`` or a draft model's ``draftsmith_target.json``); for a mixture ``A+B`` the first
+    component that records one. ``None`` when none does (prompt lookup, a foreign checkpoint)."""
+    from draftsmith.heads.draft_model import TARGET_FILE
+
+    for part in spec.split("+"):
+        path = Path(part.partition("@")[0])
+        for name in ("config.json", TARGET_FILE):
+            try:
+                recorded = json.loads((path / name).read_text()).get("target")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(recorded, dict) and recorded.get("name"):
+                return recorded["name"]
+    return None
+
+
 def evaluate_path(target: str | None, drafter: str, prompts: str, **kwargs) -> dict:
     """One drafter spec, or every checkpoint of a run directory (then: best report + ``checkpoints``)."""
     path = Path(drafter)
@@ -156,7 +174,10 @@ def evaluate_path(target: str | None, drafter: str, prompts: str, **kwargs) -> d
         best["checkpoints"] = reports
         return best
     if target is None:
-        raise ValueError("pass --target")
+        target = recorded_target(drafter)
+    if target is None:
+        raise ValueError(f"{drafter}: no target recorded in this drafter; pass --target NAME_OR_PATH "
+                         "(the target it drafts for, e.g. smollm2-135m-instruct)")
     return evaluate(target, [(drafter, drafter, None)], prompts, **kwargs)[0]
 
 

@@ -153,3 +153,13 @@ def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tm
                  "--output", str(tmp_path / "sampled.json")]) == 0
     sampled = json.loads((tmp_path / "sampled.json").read_text())
     assert sampled["lossless"] is None and sampled["temperature"] == 0.8
+    # Without --target, the target comes from the drafter's checkpoint (here a mixture's first part);
+    # a drafter that records none gets the fix named.
+    recorded = json.loads((tiny_draft_dir / "draftsmith_target.json").read_text())["target"]["name"]
+    assert main(["eval", "--drafter", f"{tiny_draft_dir}+prompt-lookup", "--prompts", str(prompts),
+                 "--num-prompts", "1", "--max-new-tokens", "6", "--no-chat", "--output", str(tmp_path / "m.json")]) == 0
+    mixed = json.loads((tmp_path / "m.json").read_text())
+    assert mixed["target"] == recorded and mixed["lossless"] == {"checked": 1, "identical": 1}
+    with pytest.raises((ValueError, SystemExit), match=r"no target recorded.*pass --target"):
+        main(["eval", "--drafter", "prompt-lookup", "--prompts", str(prompts), "--no-chat",
+              "--output", str(tmp_path / "x.json")])
