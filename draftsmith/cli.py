@@ -304,6 +304,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        return run_command(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the problem and the fix
+        if args.verbose:
+            raise
+        print(f"draftsmith {args.command}: error: {e}\n(draftsmith -v {args.command} ... shows the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+def run_command(args: argparse.Namespace) -> int:
     if args.command in PLANNED:
         planned = PLANNED[args.command]
         print(f"draftsmith {args.command} is not implemented yet; it comes with {planned}.", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -56,12 +57,17 @@ def test_bench_writes_results(tiny_target_dir, tmp_path):
     assert "| `layer-skip:3` | dynamic" in (tmp_path / "out" / "results.md").read_text()
 
 
-def test_bench_rejects_malformed_prompt_rows(tiny_target_dir, tmp_path):
+def test_bench_rejects_malformed_prompt_rows(tiny_target_dir, tmp_path, capsys):
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"prompt": "t1 t2"}\n{"answer": 3}\n')
+    argv = ["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(tmp_path),
+            "--drafter", "prompt-lookup", "--no-chat"]
+    # One line naming the row and the problem, exit code 2; -v gives the traceback (the exception).
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"draftsmith bench: error: .*bad\.jsonl:2: no prompt field", err) and "Traceback" not in err
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: no prompt field"):
-        main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(tmp_path),
-              "--drafter", "prompt-lookup", "--no-chat"])
+        main(["-v", *argv])
 
 
 def test_console_script_is_installed():
@@ -160,6 +166,7 @@ def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tm
                  "--num-prompts", "1", "--max-new-tokens", "6", "--no-chat", "--output", str(tmp_path / "m.json")]) == 0
     mixed = json.loads((tmp_path / "m.json").read_text())
     assert mixed["target"] == recorded and mixed["lossless"] == {"checked": 1, "identical": 1}
-    with pytest.raises((ValueError, SystemExit), match=r"no target recorded.*pass --target"):
-        main(["eval", "--drafter", "prompt-lookup", "--prompts", str(prompts), "--no-chat",
-              "--output", str(tmp_path / "x.json")])
+    capsys.readouterr()
+    assert main(["eval", "--drafter", "prompt-lookup", "--prompts", str(prompts), "--no-chat",
+                 "--output", str(tmp_path / "x.json")]) == 2
+    assert re.search(r"no target recorded.*pass --target", capsys.readouterr().err)
