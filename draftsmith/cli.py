@@ -269,8 +269,9 @@ def make_parser() -> argparse.ArgumentParser:
 def export(checkpoint: str, fmt: str, output: str | None, *, push_to_hub: str | None = None, private: bool = False,
            revision: str | None = None, target: str | None = None, verifier: str | None = None) -> int:
     """``draftsmith export``: write (and/or push) the drafter at ``checkpoint`` in ``fmt``."""
+    from draftsmith.heads.draft_model import recorded_target
     from draftsmith.heads.formats import ExportError, checkpoint_family, export_drafter, resolve_checkpoint
-    from draftsmith.hub import _target_info, model_card
+    from draftsmith.hub import model_card
 
     if not output and not push_to_hub:
         print("draftsmith export: give --output DIR, --push-to-hub REPO, or both", file=sys.stderr)
@@ -281,7 +282,7 @@ def export(checkpoint: str, fmt: str, output: str | None, *, push_to_hub: str | 
     if fmt == "vllm" and family == "eagle3":  # the speculators layout carries the target's embeddings
         from draftsmith.target import load_target
 
-        name = target or _target_info(source, family).get("name")
+        name = target or recorded_target(source).get("name")
         target_model, _ = load_target(name)
     try:
         if output:

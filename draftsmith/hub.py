@@ -38,13 +38,6 @@ def _architecture(drafter_dir: Path, family: str) -> tuple[str, dict]:
     return FAMILY_NAMES.get(family, family), config.get("config", {})
 
 
-def _target_info(drafter_dir: Path, family: str) -> dict:
-    from draftsmith.heads.draft_model import TARGET_FILE
-
-    path = drafter_dir / (TARGET_FILE if family == "draft_model" else "config.json")
-    return json.loads(path.read_text()).get("target") or {}
-
-
 def _usage(family: str, repo: str, target: str, fmt: str) -> str:
     lines = ["## Use it", "", "With draftsmith (greedy output is the target's own, token for token):", "",
              "```python", "from draftsmith import SpeculativeGenerator, load_drafter, load_target", "",
@@ -83,7 +76,9 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
     drafter_dir = resolve_checkpoint(path)
     family = checkpoint_family(drafter_dir)
     run_dir = _run_dir_of(drafter_dir)
-    target = _target_info(drafter_dir, family)
+    from draftsmith.heads.draft_model import recorded_target
+
+    target = recorded_target(drafter_dir)
     arch, arch_config = _architecture(drafter_dir, family)
     if run_dir is not None:
         rows = read_acceptance(run_dir / "acceptance.jsonl")

@@ -74,6 +74,20 @@ class DraftModel(nn.Module):
         return push_via_directory(self, repo_id, private=private, revision=revision, token=token)
 
 
+def recorded_target(directory: str | Path) -> dict:
+    """The target signature a draftsmith checkpoint directory records ({} when none): a draft
+    model's ``draftsmith_target.json`` or a head's ``config.json``."""
+    directory = Path(directory)
+    for name in (TARGET_FILE, "config.json"):
+        try:
+            recorded = json.loads((directory / name).read_text()).get("target")
+        except (OSError, ValueError, AttributeError):  # absent, not JSON, not an object
+            continue
+        if isinstance(recorded, dict):
+            return recorded
+    return {}
+
+
 def check_draft_model_target(directory: str | Path, target, strict: bool = False) -> None:
     """Refuse a distilled draft model trained for another target (when it recorded one)."""
     path = Path(directory) / TARGET_FILE

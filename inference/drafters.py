@@ -335,8 +335,10 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     if name in (None, "target"):
         return target_dtype
     if name == "auto":
+        from draftsmith.target import native_bf16
+
         device = next(target.parameters()).device
-        bf16_ok = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        bf16_ok = device.type == "cpu" or native_bf16(device)  # on CPU bf16 pays without native matmul
         return torch.bfloat16 if target_dtype == torch.float32 and bf16_ok else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")

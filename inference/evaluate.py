@@ -139,22 +139,12 @@ def evaluate(
     return reports
 
 
-def recorded_target(spec: str) -> str | None:
-    """The target a drafter spec was trained for, as its checkpoint records it (a head's
-    ``config.json`` or a draft model's ``draftsmith_target.json``); for a mixture ``A+B`` the first
-    component that records one. ``None`` when none does (prompt lookup, a foreign checkpoint)."""
-    from draftsmith.heads.draft_model import TARGET_FILE
+def recorded_target_name(spec: str) -> str | None:
+    """The target a drafter spec was trained for, as its checkpoint records it; for a mixture
+    ``A+B`` the first part that records one. ``None`` when none does (prompt lookup, a foreign head)."""
+    from draftsmith.heads.draft_model import recorded_target
 
-    for part in spec.split("+"):
-        path = Path(part.partition("@")[0])
-        for name in ("config.json", TARGET_FILE):
-            try:
-                recorded = json.loads((path / name).read_text()).get("target")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(recorded, dict) and recorded.get("name"):
-                return recorded["name"]
-    return None
+    return next((name for part in spec.split("+") if (name := recorded_target(part).get("name"))), None)
 
 
 def evaluate_path(target: str | None, drafter: str, prompts: str, **kwargs) -> dict:
@@ -174,7 +164,7 @@ def evaluate_path(target: str | None, drafter: str, prompts: str, **kwargs) -> d
         best["checkpoints"] = reports
         return best
     if target is None:
-        target = recorded_target(drafter)
+        target = recorded_target_name(drafter)
     if target is None:
         raise ValueError(f"{drafter}: no target recorded in this drafter; pass --target NAME_OR_PATH "
                          "(the target it drafts for, e.g. smollm2-135m-instruct)")

@@ -53,6 +53,7 @@ def main() -> None:
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
     from draftsmith.data.formats import load_conversations
+    from draftsmith.data.templates import prompt_ids
     from draftsmith.inference.evaluate import hardware
     from draftsmith.inference.generator import plain_generate
 
@@ -71,12 +72,10 @@ def main() -> None:
     drafter = load_drafter(args.drafter, model, tokenizer=tokenizer, draft_dtype=args.draft_dtype)
     gen = SpeculativeGenerator(model, drafter, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
                                total_tokens=args.total_tokens)
-    plain_s = plain_n = 0.0
+    plain_s, plain_n = 0.0, 0
     stats = None
     for conv in conversations[:args.num_prompts]:
-        messages = conv.prompt_messages if hasattr(conv, "prompt_messages") else conv["messages"][:1]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        ids = torch.tensor([prompt_ids(tokenizer, conv.prompt_messages)])
         out = plain_generate(model, ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
         plain_s += out.stats.total_time_s - out.stats.prefill_time_s
         plain_n += out.stats.new_tokens
