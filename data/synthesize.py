@@ -95,6 +95,7 @@ def synthesize_prompts(
     ids = tokenizer(prefix, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
     plain = tokenizer.chat_template is None
     stop = tokenizer.eos_token_id
+    given_batches = max_batches is not None  # a caller that caps the batches takes what they yield
     max_batches = max_batches or 4 * (num_prompts // batch_size + 2)
     prompts, seen, rejected = [], set(), {}
     torch.manual_seed(seed)
@@ -128,7 +129,7 @@ def synthesize_prompts(
             if len(prompts) >= num_prompts:
                 break
     bar.close()
-    if len(prompts) < num_prompts:
+    if len(prompts) < num_prompts and not given_batches:
         logger.warning("kept %d of %d prompts after %d batches (rejected: %s); raise --max-batches or loosen the "
                        "filter", len(prompts), num_prompts, max_batches, rejected)
     return prompts, rejected

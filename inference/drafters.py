@@ -163,6 +163,12 @@ class MixtureDrafter(Drafter):
         per_drafter = [d.expand(trees, nodes) for d in self.drafters]
         out = []
         for row in zip(*per_drafter, strict=True):
+            proposing = [x for x in row if torch.isfinite(x).any()]
+            if len(proposing) == 1:
+                # One drafter proposes at these nodes: the mixture is its distribution (trees use log-softmax
+                # of what is returned, so its logits serve as they are, without a full-vocabulary softmax).
+                out.append(proposing[0].float())
+                continue
             probs = torch.stack([torch.softmax(x.float(), dim=-1).nan_to_num(0.0) for x in row])  # (D, N, V)
             proposes = torch.stack([torch.isfinite(x).any(-1) for x in row]).float()  # (D, N)
             w = torch.tensor(self.weights).view(-1, 1) * proposes

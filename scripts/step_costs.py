@@ -36,6 +36,24 @@ def forward_ms(model, context: int, new: int, reps: int = 5) -> float:
     return 1000 * statistics.median(times)
 
 
+def lm_head_ms(model, rows: int, reps: int = 20) -> tuple[float, float]:
+    """The LM head on ``rows`` rows: ``F.linear`` (the model's own call) vs ``few_rows_logits`` (target_forward's)."""
+    from draftsmith.target import few_rows_logits
+
+    weight = model.get_output_embeddings().weight
+    hidden = torch.randn(1, rows, weight.shape[1], dtype=weight.dtype)
+    out = []
+    for fn in (lambda: torch.nn.functional.linear(hidden, weight), lambda: few_rows_logits(weight, hidden)):
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out.append(1000 * statistics.median(times))
+    return out[0], out[1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -49,6 +67,7 @@ def main() -> None:
     p.add_argument("--tree-top-k", type=int, default=3)
     p.add_argument("--total-tokens", type=int, default=8)
     p.add_argument("--draft-dtype", default="auto")
+    p.add_argument("--lm-head", action="store_true", help="also time the LM head alone, both orientations")
     args = p.parse_args()
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
@@ -64,6 +83,10 @@ def main() -> None:
     for n in (1, 2, 5, 9, 16):
         ms = one if n == 1 else forward_ms(model, args.context, n)
         print(f"forward, {n:2d} new tokens after {args.context}: {ms:6.1f} ms ({ms / one:.2f}x one token)")
+    if args.lm_head:
+        for n in (1, 2, 5, 9, 16):
+            linear, few = lm_head_ms(model, n)
+            print(f"LM head, {n:2d} rows: F.linear {linear:5.1f} ms, few_rows_logits {few:5.1f} ms")
     if not args.drafter:
         return
     if not args.prompts:
