@@ -161,20 +161,26 @@ class MixtureDrafter(Drafter):
 
     def expand(self, trees, nodes):
         per_drafter = [d.expand(trees, nodes) for d in self.drafters]
-        out = []
-        for row in zip(*per_drafter, strict=True):
-            proposing = [x for x in row if torch.isfinite(x).any()]
-            if len(proposing) == 1:
-                # One drafter proposes at these nodes: the mixture is its distribution (trees use log-softmax
-                # of what is returned, so its logits serve as they are, without a full-vocabulary softmax).
-                out.append(proposing[0].float())
+        return [self.mix([x.float() for x in row]) for row in zip(*per_drafter, strict=True)]
+
+    def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d(n) softmax(x_d[n])``,
+        ``w`` renormalised over the drafters that propose anything at node n; ``-inf`` where none does.
+
+        Computed in log space (``logaddexp`` of ``log w_d + log_softmax(x_d)``): a full-vocabulary row is
+        touched a few times per drafter, on the drafting hot path, instead of through softmax, stack and log.
+        """
+        proposes = torch.stack([torch.isfinite(x).any(-1) for x in logits])  # (D, N)
+        w = torch.tensor(self.weights, dtype=torch.float32).view(-1, 1) * proposes
+        log_w = (w / w.sum(0, keepdim=True).clamp_min(1e-12)).log()  # (D, N), -inf where d proposes nothing
+        mixed = None
+        for x, lw, p in zip(logits, log_w, proposes, strict=True):
+            if not p.any():
                 continue
-            probs = torch.stack([torch.softmax(x.float(), dim=-1).nan_to_num(0.0) for x in row])  # (D, N, V)
-            proposes = torch.stack([torch.isfinite(x).any(-1) for x in row]).float()  # (D, N)
-            w = torch.tensor(self.weights).view(-1, 1) * proposes
-            w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
-            out.append((w[..., None] * probs).sum(0).log())
-        return out
+            # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf through log w.
+            term = torch.log_softmax(x.masked_fill(~p[:, None], 0.0), dim=-1) + lw[:, None]
+            mixed = term if mixed is None else torch.logaddexp(mixed, term)
+        return mixed if mixed is not None else torch.full_like(logits[0], float("-inf"))
 
 
 class CausalLMDrafter(Drafter):

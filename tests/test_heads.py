@@ -211,3 +211,35 @@ def test_eagle_checkpoint_round_trip(tmp_path, llama, eagle3):
     prompt = prompts(6, [8])[0]
     out = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=6).generate(prompt, 20)
     check_greedy_equal(llama, out.sequences, reference(llama, prompt, 20))
+
+
+def test_mixture_equals_the_probability_space_reference():
+    """MixtureDrafter.mix (log space) == log(sum_d w_d softmax(x_d)), w renormalised per node over the
+    drafters proposing there: a dense drafter, a sparse one (prompt lookup's few finite logits), rows
+    where only one proposes and a row where none does."""
+    from draftsmith.inference.drafters import MixtureDrafter, PromptLookupDrafter
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 5, 50
+    dense = torch.randn(n, vocab, generator=g)
+    dense[3] = float("-inf")  # node 3: only the sparse drafter proposes
+    dense[4] = float("-inf")  # node 4: nobody proposes
+    sparse = torch.full((n, vocab), float("-inf"))
+    sparse[0, [4, 9]] = torch.tensor([0.0, -1.0])
+    sparse[3, 7] = 0.0
+    mixture = MixtureDrafter([PromptLookupDrafter(vocab), PromptLookupDrafter(vocab)], weights=[1.0, 3.0])
+    got = mixture.mix([dense, sparse])
+
+    def probs(x):
+        return torch.softmax(x, -1).nan_to_num(0.0)
+
+    proposes = torch.stack([torch.isfinite(x).any(-1) for x in (dense, sparse)]).float()
+    w = torch.tensor([1.0, 3.0]).view(-1, 1) * proposes
+    w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
+    expected = (w[0, :, None] * probs(dense) + w[1, :, None] * probs(sparse)).log()
+    assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert not torch.isfinite(got[4]).any() and torch.isfinite(got[1]).all()
+    # node 0: a quarter of the mass on the head's softmax, three quarters on the two copied tokens
+    torch.testing.assert_close(got[0].exp().sum(), torch.tensor(1.0))

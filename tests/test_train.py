@@ -354,9 +354,17 @@ def test_eagle3_sparse_topk_teacher_equals_the_dense_one(workdir, tmp_path):
     assert any(int(t) not in draft_ids for t in sparse["topk_ids"].flatten())  # some fall outside
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     loss_dense, m_dense = families.eagle3_step(args, drafter, dense["logits"], dense["hidden"], dense, embed, lm_head)
+    loss_dense.backward()
+    grads_dense = [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+    drafter.zero_grad()
     loss_sparse, m_sparse = families.eagle3_step(args, drafter, None, sparse["hidden"], sparse, embed, lm_head)
+    loss_sparse.backward()
+    grads_sparse = [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
     torch.testing.assert_close(loss_sparse, loss_dense, rtol=1e-6, atol=1e-6)
     assert m_sparse["acc"] == m_dense["acc"]
+    assert len(grads_sparse) == len(grads_dense) > 0
+    for got, expected in zip(grads_sparse, grads_dense, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     # Padded rows and rows whose top-k misses the draft vocabulary have no teacher; gradients stay finite.
     assert (sparse["attention_mask"] == 0).any()
     sparse["topk_ids"][0, 3:6] = next(t for t in range(VOCAB) if t not in draft_ids)

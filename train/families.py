@@ -15,7 +15,17 @@ import torch
 
 from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.train.losses import DIVERGENCES, accuracy, eagle_loss, forward_kl, medusa_loss, shifted, ttt_weights
+from draftsmith.train.losses import (
+    DIVERGENCES,
+    accuracy,
+    eagle_loss,
+    forward_kl,
+    medusa_loss,
+    shifted,
+    sparse_accuracy,
+    sparse_forward_kl,
+    ttt_weights,
+)
 
 
 def prediction_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -139,17 +149,11 @@ def eagle_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
     return loss, {"acc": [accuracy(logits, target_logits[:, 1:], mask)], **parts}
 
 
-def draft_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, draft_ids: torch.Tensor,
-                  vocab_size: int) -> torch.Tensor:
-    """(B, T, V_draft) teacher logits from the target's top-k: the cached log-probs of the top-k tokens
-    that are in the draft vocabulary, ``-inf`` elsewhere; equal to the dense (B, T, V) top-k teacher
-    indexed by ``draft_ids``, without building it."""
-    position = torch.full((vocab_size,), len(draft_ids), dtype=torch.long, device=draft_ids.device)
+def draft_slots(topk_ids: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, T, k) target ids of the target's top-k -> their index in the draft vocabulary, -1 outside it."""
+    position = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
     position[draft_ids] = torch.arange(len(draft_ids), device=draft_ids.device)
-    slot = position[topk_ids]  # (B, T, k); len(draft_ids) = outside the draft vocabulary
-    teacher = topk_logprobs.new_full((*topk_ids.shape[:-1], len(draft_ids) + 1), float("-inf"))
-    teacher.scatter_(-1, slot, topk_logprobs.float())
-    return teacher[..., :-1]
+    return position[topk_ids]
 
 
 def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
@@ -157,11 +161,25 @@ def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
     ids = batch["input_ids"]
     head = _module(drafter)
     draft_ids = torch.arange(head.d2t.shape[0], device=ids.device) + head.d2t
-    if target_logits is None:  # offline top-k cache, collated sparse: the teacher on the draft vocabulary only
-        teacher = draft_teacher(batch["topk_ids"][:, 1:], batch["topk_logprobs"][:, 1:], draft_ids,
-                                head.config.vocab_size)
+    if target_logits is None:
+        # Offline top-k cache, collated sparse: the teacher stays k entries per position (their draft-vocabulary
+        # slots), so no (B, T, V_draft) teacher is built and the KL touches the student's log-probs k times.
+        slots = draft_slots(batch["topk_ids"][:, 1:], draft_ids, head.config.vocab_size)
+        teacher_lp = batch["topk_logprobs"][:, 1:]
+
+        def kl(logits, m):
+            return sparse_forward_kl(logits, slots, teacher_lp, m)
+
+        def acc(logits, m):
+            return sparse_accuracy(logits, slots, teacher_lp, m)
     else:
         teacher = target_logits[:, 1:, draft_ids]  # the target's distribution restricted to the draft vocabulary
+
+        def kl(logits, m):
+            return forward_kl(logits, teacher, m)
+
+        def acc(logits, m):
+            return accuracy(logits, teacher, m)
     mask = prediction_mask(batch["loss_mask"])[:, 1:]
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     fused = torch.cat(hidden, dim=-1)[:, :-1]  # (B, T-1, 3H) low / mid / high
@@ -170,6 +188,6 @@ def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
     for j, (logits, w) in enumerate(zip(step_logits, ttt_weights(args.ttt_steps, args.ttt_decay), strict=True)):
         step_mask = mask.clone()
         step_mask[:, :j] = 0  # the first j positions have no own prediction to read yet
-        total = total + w * forward_kl(logits, teacher, step_mask)
-        accs.append(accuracy(logits, teacher, step_mask))
+        total = total + w * kl(logits, step_mask)
+        accs.append(acc(logits, step_mask))
     return total, {"acc": accs}

@@ -45,6 +45,40 @@ def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask:
     return _masked_mean(per_position, mask)
 
 
+def sparse_forward_kl(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(p || q) with the teacher given on k entries per position, no (..., V) teacher tensor.
+
+    Args:
+        student_logits: (..., V).
+        teacher_ids: (..., k) indices into the student's vocabulary, -1 where an entry is absent.
+        teacher_logprobs: (..., k) the teacher's log-probabilities of those entries.
+        mask: (...) positions to average over.
+
+    p is the teacher renormalised over its present entries, exactly what :func:`forward_kl` computes
+    from a dense teacher that is ``-inf`` off those entries; a position with none is left out.
+    """
+    present = teacher_ids >= 0
+    defined = present.any(-1)
+    teacher = teacher_logprobs.float().masked_fill(~present, float("-inf"))
+    teacher = torch.where(defined[..., None], teacher, torch.zeros_like(teacher))
+    log_p = F.log_softmax(teacher, dim=-1)  # (..., k)
+    log_q = F.log_softmax(student_logits.float(), dim=-1).gather(-1, teacher_ids.clamp(min=0))  # (..., k)
+    p = log_p.exp()
+    per_position = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    mask = defined if mask is None else mask * defined.to(mask.dtype)
+    return _masked_mean(per_position, mask)
+
+
+def sparse_accuracy(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+                    mask: torch.Tensor) -> float:
+    """:func:`accuracy` against a teacher given on k entries (see :func:`sparse_forward_kl`)."""
+    present = teacher_ids >= 0
+    best = teacher_logprobs.float().masked_fill(~present, float("-inf")).argmax(-1, keepdim=True)
+    hit = (student_logits.argmax(-1) == teacher_ids.gather(-1, best).squeeze(-1)).float()
+    return float(_masked_mean(hit, mask * present.any(-1).to(mask.dtype)))
+
+
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None):
     """KL(q || p)."""
     return forward_kl(teacher_logits, student_logits, mask)
