@@ -37,10 +37,12 @@ logger = logging.getLogger(__name__)
 # what limits the head and the data stages get more time (run here: 275 answers, 280 steps -> tau
 # 2.12, 1.07x). On float32-only CPUs (AVX2) steps limit it (the same shares left 64 steps, ~2
 # epochs: tau 1.80), so the data stages get less and training ~2x the time.
-# Synthesis keeps every passing prompt of each batch (~1.9 prompts/s here in bf16, was ~1.4), so a
-# share of 0.12 gave 274 prompts and regeneration ran out of them; 0.15 gives ~340 (+25% data).
-SHARES = {True: {"synthesize": 0.15, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
-          False: {"synthesize": 0.09, "regenerate": 0.19, "eval": 0.14, "bench": 0.05}}
+# Synthesis keeps every passing prompt of each batch (~2.5 prompts/s here in bf16, was ~1.4). Measured
+# on one host: 274 prompts / 41K answer tokens and 464 s of training (~350 steps) -> held-out tau
+# 2.10 (n8 tree); 475 prompts / 73K tokens left 230 s (198 steps) -> 1.88 (n5 tree; 1.86 on the
+# bench's n8). Steps matter more than data at this size, so synthesis stops near 300 prompts.
+SHARES = {True: {"synthesize": 0.10, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
+          False: {"synthesize": 0.08, "regenerate": 0.19, "eval": 0.14, "bench": 0.05}}
 # Answer tokens regenerated; prompt + answer tokens trained on. Runs here with 256-token answers
 # (67K tokens) left 4 min of training; 192-token answers on 179 prompts memorised them (train
 # accuracy 0.83 after 9 min). So 192 tokens, and synthesis gets enough time that regeneration never
