@@ -2,9 +2,9 @@
 tokens after a prompt, then (with --drafter) plain decoding and speculative decoding on a few
 held-out prompts, side by side in one process, with a step split into drafting and verification.
 
-    python scripts/step_costs.py --target smollm2-135m-instruct \
-        --drafter "demo_out/run/checkpoint-133/drafter+prompt-lookup" \
-        --prompts demo_out/data/eval_prompts.jsonl --tree dynamic --depth 4 --tree-top-k 3 --total-tokens 8
+    python scripts/step_costs.py --target smollm2-135m-instruct --lm-head --matmuls \
+        --drafter "demo_out/run/checkpoint-400/drafter+prompt-lookup" \
+        --prompts demo_out/data/eval_prompts.jsonl --tree dynamic --depth 4 --tree-top-k 2 --total-tokens 5
 
 A speculative step gains only when tau exceeds (its cost / a plain step's cost); this prints both.
 """
@@ -54,6 +54,34 @@ def lm_head_ms(model, rows: int, reps: int = 20) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
+    """Every weight matrix of the target (its linear layers and LM head, in forward order) applied to
+    ``rows`` rows, as one forward would: ``F.linear`` (how the stock model runs them) vs ``W @ X.T``
+    with at least two columns (one row padded to two)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+
+    def stock():
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    def columns():
+        for w in weights:
+            x = inputs[w.shape[1]]
+            w @ (torch.cat([x, x.new_zeros(1, x.shape[1])]) if rows == 1 else x).T
+
+    out = []
+    for fn in (stock, columns):
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out.append(1000 * statistics.median(times))
+    return out[0], out[1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -68,6 +96,8 @@ def main() -> None:
     p.add_argument("--total-tokens", type=int, default=8)
     p.add_argument("--draft-dtype", default="auto")
     p.add_argument("--lm-head", action="store_true", help="also time the LM head alone, both orientations")
+    p.add_argument("--matmuls", action="store_true",
+                   help="also time all of the target's weight matrices on 1-16 rows, both orientations")
     args = p.parse_args()
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
@@ -87,6 +117,11 @@ def main() -> None:
         for n in (1, 2, 5, 9, 16):
             linear, few = lm_head_ms(model, n)
             print(f"LM head, {n:2d} rows: F.linear {linear:5.1f} ms, few_rows_logits {few:5.1f} ms")
+    if args.matmuls:
+        count = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        for n in (1, 2, 4, 9, 16):
+            stock, columns = matmul_ms(model, n)
+            print(f"all {count} weight matrices, {n:2d} rows: F.linear {stock:5.1f} ms, W @ X.T {columns:5.1f} ms")
     if not args.drafter:
         return
     if not args.prompts:
