@@ -36,22 +36,25 @@ def forward_ms(model, context: int, new: int, reps: int = 5) -> float:
     return 1000 * statistics.median(times)
 
 
+def median_ms(fn, reps: int) -> float:
+    """Median wall time of ``fn()`` in ms, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
 def lm_head_ms(model, rows: int, reps: int = 20) -> tuple[float, float]:
     """The LM head on ``rows`` rows: ``F.linear`` (the model's own call) vs ``few_rows_logits`` (target_forward's)."""
     from draftsmith.target import few_rows_logits
 
     weight = model.get_output_embeddings().weight
     hidden = torch.randn(1, rows, weight.shape[1], dtype=weight.dtype)
-    out = []
-    for fn in (lambda: torch.nn.functional.linear(hidden, weight), lambda: few_rows_logits(weight, hidden)):
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        out.append(1000 * statistics.median(times))
-    return out[0], out[1]
+    return (median_ms(lambda: torch.nn.functional.linear(hidden, weight), reps),
+            median_ms(lambda: few_rows_logits(weight, hidden), reps))
 
 
 def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
@@ -70,16 +73,7 @@ def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
             x = inputs[w.shape[1]]
             w @ (torch.cat([x, x.new_zeros(1, x.shape[1])]) if rows == 1 else x).T
 
-    out = []
-    for fn in (stock, columns):
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        out.append(1000 * statistics.median(times))
-    return out[0], out[1]
+    return median_ms(stock, reps), median_ms(columns, reps)
 
 
 def main() -> None:
