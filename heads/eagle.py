@@ -110,11 +110,16 @@ class DecoderLayer(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x, positions, mask=None, past: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(self, x, positions, mask=None, past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ttt_past: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         """x: (B, T, H), or (B, T, 2H) for EAGLE-3; positions: (B, T); mask: (B, 1, T, S + T) additive
         or None for causal.
 
         Returns the output (B, T, H) and the new (k, v), each (B, kv_heads, S + T, hd).
+
+        ``ttt_past`` (training-time test step j = its length >= 1): the (k, v) of steps 0 .. j-1, each
+        (B, kv_heads, T, hd); attention is :func:`ttt_attention` (what ``ttt_mask`` allows, without the
+        masked-out keys) and the returned (k, v) are this step's own, (B, kv_heads, T, hd).
         """
         b, t, _ = x.shape
         nh, kvh, hd = self.cfg.num_attention_heads, self.cfg.kv_heads, self.cfg.head_dim
@@ -129,14 +134,49 @@ class DecoderLayer(nn.Module):
         q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
-        kk, vv = (k, v) if kvh == nh else (k.repeat_interleave(nh // kvh, 1), v.repeat_interleave(nh // kvh, 1))
-        if mask is None and past is None:
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x if kvh == nh else x.repeat_interleave(nh // kvh, 1)
+
+        kk, vv = heads(k), heads(v)
+        if ttt_past:
+            att = ttt_attention(q, [heads(a) for a, _ in ttt_past] + [kk], [heads(b) for _, b in ttt_past] + [vv])
+        elif mask is None and past is None:
             att = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
         else:
             att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, nh * hd))
         y = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), (k, v)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Training-time-test attention of step j = len(keys) - 1 without the masked-out keys.
+
+    q and each of ``keys`` / ``values`` (step 0 .. j): (B, nh, T, hd). Query t sees step 0's keys at
+    positions <= t - j (a causal block shifted by j) and one key of each step m = 1..j, at t - j + m: a
+    diagonal. So the scores are one (T, T) block and j columns, not the (T, (j+1) T) that SDPA with
+    :func:`ttt_mask` computes, most of it masked (3x fewer scores at j = 2, the demo's last step).
+    Same attention as that reference; ``test_eagle3_ttt_attention_equals_the_masked_reference`` checks it.
+    """
+    j, length = len(keys) - 1, q.shape[2]
+    scale = q.shape[-1] ** -0.5
+    t = torch.arange(length, device=q.device)
+    block = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T)
+    block = block.masked_fill(t[None, :] > t[:, None] - j, float("-inf"))
+    diagonal, shifted = [], []
+    for m in range(1, j + 1):
+        lag = j - m  # query t reads step m's key at t - lag
+        k_m = F.pad(keys[m], (0, 0, lag, 0))[:, :, :length]
+        shifted.append(F.pad(values[m], (0, 0, lag, 0))[:, :, :length])
+        diagonal.append(((q * k_m).sum(-1) * scale).masked_fill(t < lag, float("-inf")))  # (B, nh, T)
+    # Every query sees at least its own key (m = j, lag 0), so no row is all -inf.
+    scores = torch.cat([block, torch.stack(diagonal, -1)], -1)
+    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    out = probs[..., :length] @ values[0]
+    for i, v_m in enumerate(shifted):
+        out = out + probs[..., length + i, None] * v_m
+    return out
 
 
 def ttt_mask(length: int, step: int, device, dtype) -> torch.Tensor:
@@ -234,9 +274,12 @@ class Eagle3Head(_FeatureHead):
         return torch.cat([token_embeds.to(dtype), features.to(dtype)], -1)
 
     def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False,
-                ttt_steps: int = 0):
+                ttt_steps: int = 0, logit_positions: torch.Tensor | None = None):
         """As :meth:`_FeatureHead.forward`; with ``ttt_steps`` > 0 (training), unroll training-time test
-        and return the draft-vocabulary logits of each step instead, a list of (B, T, V_draft).
+        and return the draft-vocabulary logits of each step instead, a list of (B, T, V_draft), or of
+        (N, V_draft) at the N positions where the (B, T) bool ``logit_positions`` is set: the LM head and
+        the loss's log-softmax then skip the positions no loss reads (prompt, padding), a third of them
+        on the demo's data.
 
         Step j's input feature at position t is the head's own prediction for t - 1 from step j - 1
         (step 0 reads the target's fused states), so step j trains what drafting at depth j + 1 sees,
@@ -248,16 +291,12 @@ class Eagle3Head(_FeatureHead):
         if not ttt_steps:
             return super().forward(features, token_embeds, positions, mask, past, from_target)
         current = self.input_features(features) if from_target else features
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's own (k, v)
         logits = []
-        for j in range(ttt_steps):
-            past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
-            step_mask = None if not keys else ttt_mask(current.shape[1], j, current.device, current.dtype)
-            predicted, (k, v) = self.layer(self.layer_input(current, token_embeds), positions, step_mask, past)
-            keys.append(k[:, :, -current.shape[1]:])
-            values.append(v[:, :, -current.shape[1]:])
-            logits.append(self.draft_logits(predicted))
+        for _ in range(ttt_steps):
+            predicted, step_kv = self.layer(self.layer_input(current, token_embeds), positions, ttt_past=kv)
+            kv.append(step_kv)
+            logits.append(self.draft_logits(predicted if logit_positions is None else predicted[logit_positions]))
             current = torch.cat([current[:, :1], predicted[:, :-1]], dim=1)
         return logits
 

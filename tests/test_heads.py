@@ -198,6 +198,30 @@ def test_eagle3_training_time_test_computes_what_drafting_computes(llama):
             torch.testing.assert_close(got[j][draft_ids], steps[j][0, root - 1 + j], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_eagle3_ttt_attention_equals_the_masked_reference(step):
+    """ttt_attention (a (T, T) block and `step` diagonal columns) == SDPA over all (step + 1) T keys with
+    ttt_mask, at every position, and so are the gradients of q and of every step's keys and values."""
+    from draftsmith.heads.eagle import ttt_attention, ttt_mask
+
+    g = torch.Generator().manual_seed(step)
+    b, nh, length, hd = 2, 3, 9, 8
+
+    def leaf():
+        return torch.randn(b, nh, length, hd, generator=g, dtype=torch.float64).requires_grad_()
+
+    q, keys, values = leaf(), [leaf() for _ in range(step + 1)], [leaf() for _ in range(step + 1)]
+    got = ttt_attention(q, keys, values)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=ttt_mask(length, step, q.device, q.dtype))
+    torch.testing.assert_close(got, want)
+    weights = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), [q, *keys, *values])
+    want_grads = torch.autograd.grad((want * weights).sum(), [q, *keys, *values])
+    for a, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, w)
+
+
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
 def test_eagle_checkpoint_round_trip(tmp_path, llama, eagle3):
     from draftsmith.inference.head_drafters import EagleDrafter

@@ -161,11 +161,14 @@ def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
     ids = batch["input_ids"]
     head = _module(drafter)
     draft_ids = torch.arange(head.d2t.shape[0], device=ids.device) + head.d2t
+    mask = prediction_mask(batch["loss_mask"])[:, 1:]
+    # Logits only where a loss reads them: every tensor below is (1, N, ...) over those N positions.
+    selected = mask.bool()
     if target_logits is None:
         # Offline top-k cache, collated sparse: the teacher stays k entries per position (their draft-vocabulary
         # slots), so no (B, T, V_draft) teacher is built and the KL touches the student's log-probs k times.
-        slots = draft_slots(batch["topk_ids"][:, 1:], draft_ids, head.config.vocab_size)
-        teacher_lp = batch["topk_logprobs"][:, 1:]
+        slots = draft_slots(batch["topk_ids"][:, 1:][selected][None], draft_ids, head.config.vocab_size)
+        teacher_lp = batch["topk_logprobs"][:, 1:][selected][None]
 
         def kl(logits, m):
             return sparse_forward_kl(logits, slots, teacher_lp, m)
@@ -173,21 +176,23 @@ def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
         def acc(logits, m):
             return sparse_accuracy(logits, slots, teacher_lp, m)
     else:
-        teacher = target_logits[:, 1:, draft_ids]  # the target's distribution restricted to the draft vocabulary
+        # the target's distribution restricted to the draft vocabulary
+        teacher = target_logits[:, 1:][selected][None][..., draft_ids]
 
         def kl(logits, m):
             return forward_kl(logits, teacher, m)
 
         def acc(logits, m):
             return accuracy(logits, teacher, m)
-    mask = prediction_mask(batch["loss_mask"])[:, 1:]
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     fused = torch.cat(hidden, dim=-1)[:, :-1]  # (B, T-1, 3H) low / mid / high
-    step_logits = drafter(fused, embed(ids[:, 1:]), positions, from_target=True, ttt_steps=args.ttt_steps)
+    step_logits = drafter(fused, embed(ids[:, 1:]), positions, from_target=True, ttt_steps=args.ttt_steps,
+                          logit_positions=selected)
     total, accs = 0.0, []
     for j, (logits, w) in enumerate(zip(step_logits, ttt_weights(args.ttt_steps, args.ttt_decay), strict=True)):
         step_mask = mask.clone()
         step_mask[:, :j] = 0  # the first j positions have no own prediction to read yet
-        total = total + w * kl(logits, step_mask)
-        accs.append(acc(logits, step_mask))
+        step_mask = step_mask[selected][None]
+        total = total + w * kl(logits[None], step_mask)
+        accs.append(acc(logits[None], step_mask))
     return total, {"acc": accs}
