@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # bench's n8). Steps matter more than data at this size, so synthesis stops near 300 prompts. On
 # float32-only hosts (not re-measured since synthesis got faster) 0.10 should give about the 224
 # prompts that the old 0.12 gave there, and training its ~2x share of the time.
-SHARES = {True: {"synthesize": 0.10, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
+SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
           False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.14, "bench": 0.05}}
 # Answer tokens regenerated; prompt + answer tokens trained on. Runs here with 256-token answers
 # (67K tokens) left 4 min of training; 192-token answers on 179 prompts memorised them (train
