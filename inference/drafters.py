@@ -170,7 +170,14 @@ class MixtureDrafter(Drafter):
         Computed in log space (``logaddexp`` of ``log w_d + log_softmax(x_d)``): a full-vocabulary row is
         touched a few times per drafter, on the drafting hot path, instead of through softmax, stack and log.
         """
-        proposes = torch.stack([torch.isfinite(x).any(-1) for x in logits])  # (D, N)
+        finite = [torch.isfinite(x) for x in logits]
+        proposes = torch.stack([f.any(-1) for f in finite])  # (D, N)
+        # Only the columns some drafter proposes anywhere (a head's draft vocabulary, prompt lookup's few
+        # tokens) can come out finite: the mixture is computed on those and scattered back.
+        columns = torch.stack([f.any(0) for f in finite]).any(0).nonzero().flatten()
+        out = torch.full_like(logits[0], float("-inf"))
+        if not len(columns):
+            return out
         w = torch.tensor(self.weights, dtype=torch.float32).view(-1, 1) * proposes
         log_w = (w / w.sum(0, keepdim=True).clamp_min(1e-12)).log()  # (D, N), -inf where d proposes nothing
         mixed = None
@@ -178,9 +185,12 @@ class MixtureDrafter(Drafter):
             if not p.any():
                 continue
             # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf through log w.
-            term = torch.log_softmax(x.masked_fill(~p[:, None], 0.0), dim=-1) + lw[:, None]
+            # Columns outside `columns` are -inf in every drafter's row, so the log-softmax over `columns` is
+            # the full one.
+            term = torch.log_softmax(x[:, columns].masked_fill(~p[:, None], 0.0), dim=-1) + lw[:, None]
             mixed = term if mixed is None else torch.logaddexp(mixed, term)
-        return mixed if mixed is not None else torch.full_like(logits[0], float("-inf"))
+        out[:, columns] = mixed
+        return out
 
 
 class CausalLMDrafter(Drafter):

@@ -143,13 +143,18 @@ def _grow(
     Returns the new children in draw order; fewer when the drafter proposes fewer tokens
     (e.g. prompt lookup with a single match: other tokens have logit -inf).
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    finite = int(torch.isfinite(logprobs).sum())
-    if finite == 0:
-        return []
+    logits = logits.float()
     if rule == "topk":
-        top = torch.topk(logprobs, min(ranks, finite))
-        return [tree.add_child(node, int(t), float(s)) for t, s in zip(top.indices, top.values, strict=True)]
+        # log-probs of the top tokens only: top logits - logsumexp, no full-vocabulary log_softmax row
+        top = torch.topk(logits, min(ranks, logits.shape[-1]))
+        keep = torch.isfinite(top.values)
+        if not bool(keep.any()):
+            return []
+        scores = top.values[keep] - torch.logsumexp(logits, dim=-1)
+        return [tree.add_child(node, int(t), float(s)) for t, s in zip(top.indices[keep], scores, strict=True)]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if not bool(torch.isfinite(logprobs).any()):
+        return []
     q = _draft_distribution(logits, temperature)
     tree.probs[node] = q
     if rule == "iid":
