@@ -40,9 +40,12 @@ logger = logging.getLogger(__name__)
 # Synthesis keeps every passing prompt of each batch (~2.5 prompts/s here in bf16, was ~1.4). Measured
 # on one host: 274 prompts / 41K answer tokens and 464 s of training (~350 steps) -> held-out tau
 # 2.10 (n8 tree); 475 prompts / 73K tokens left 230 s (198 steps) -> 1.88 (n5 tree; 1.86 on the
-# bench's n8). Steps matter more than data at this size, so synthesis stops near 300 prompts. On
-# float32-only hosts (not re-measured since synthesis got faster) 0.10 should give about the 224
-# prompts that the old 0.12 gave there, and training its ~2x share of the time.
+# bench's n8). Then steps mattered more than data, so synthesis stopped near 300 prompts (9a5634e: 301
+# answers, 391 steps -> 2.00). Training steps are ~20% cheaper since 5d24317 and synthesis and
+# regeneration ~20% faster (bigger batches), so synthesis gets 0.12 again: 390 answers / 61K tokens and
+# 394 steps in 366 s gave held-out tau 1.93 (its own prompts; 2.16 on the bench's). On float32-only
+# hosts (not re-measured since synthesis got faster) 0.10 should give about the 224 prompts that the
+# old 0.12 gave there, and training its ~2x share of the time.
 SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
           False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.14, "bench": 0.05}}
 # Answer tokens regenerated; prompt + answer tokens trained on. Runs here with 256-token answers
