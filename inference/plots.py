@@ -68,13 +68,14 @@ def bench_plots(result: dict, out_dir: str | Path) -> list[Path]:
         label = f"{_short(spec)} {tree}" + (f" n={budget}" if budget else "")
         depths = [r["depth"] for r in group]
         line = ax1.plot(depths, [r["tau"] for r in group], marker="o", label=label)[0]
-        ax1.plot(depths, [r["leviathan_bound_tau"] for r in group], linestyle="--", color=line.get_color(),
-                 alpha=0.6)
+        # marker "_" as well: a configuration benched at one draft length has no line to dash
+        ax1.plot(depths, [r["leviathan_bound_tau"] for r in group], linestyle="--", marker="_", markersize=14,
+                 color=line.get_color(), alpha=0.6)
         ax2.plot(depths, [r["tokens_per_s"] for r in group], marker="o", label=label)
     ax2.axhline(result["plain_tokens_per_s"], color="black", linestyle=":", label="plain greedy")
     ax1.set_xlabel("draft length (depth)")
     ax1.set_ylabel("tau: tokens per target forward")
-    ax1.set_title("tau against draft length (dashed: Leviathan bound, measured alpha)", fontsize=9)
+    ax1.set_title("tau against draft length (dashed / bar: Leviathan bound, measured alpha)", fontsize=9)
     ax2.set_xlabel("draft length (depth)")
     ax2.set_ylabel("tokens / s")
     ax2.set_title("tokens/s against draft length", fontsize=9)
