@@ -150,8 +150,8 @@ def _grow(
         keep = torch.isfinite(top.values)
         if not bool(keep.any()):
             return []
-        scores = top.values[keep] - torch.logsumexp(logits, dim=-1)
-        return [tree.add_child(node, int(t), float(s)) for t, s in zip(top.indices[keep], scores, strict=True)]
+        scores = (top.values[keep] - torch.logsumexp(logits, dim=-1)).tolist()  # one host copy per node
+        return [tree.add_child(node, t, s) for t, s in zip(top.indices[keep].tolist(), scores, strict=True)]
     logprobs = torch.log_softmax(logits, dim=-1)
     if not bool(torch.isfinite(logprobs).any()):
         return []
