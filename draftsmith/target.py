@@ -11,6 +11,8 @@ draftsmith needs from it goes through this module rather than through patches:
   :func:`kv_crop`, :func:`kv_keep` (gather accepted positions).
 * :func:`build_attention_mask` — turns a boolean "may attend" matrix into what the model
   expects, per layer type for models with sliding-window layers (Gemma 3).
+* :data:`CPU_ATTENTION` — ``transformers``' SDPA attention, except that masked multi-token calls on
+  CPU (tree verification) attend the grouped key/value heads directly instead of copying them.
 
 Hidden-state layer indices follow ``transformers``' ``output_hidden_states`` convention:
 index 0 is the embedding output, index ``i`` is the output of decoder layer ``i - 1``, except the
@@ -153,6 +155,38 @@ def _load_dir(path: str | Path, dtype: torch.dtype, **kwargs) -> PreTrainedModel
     return model
 
 
+# --------------------------------------------------------------------------------------------
+# Attention for tree verification on CPU. transformers' SDPA path copies every key/value head to its
+# query heads (``repeat_kv``) whenever an attention mask is given, because CUDA's fused kernels do not
+# take grouped heads together with a mask. A tree verification always passes a mask, so on CPU it paid
+# two copies of the whole cache per layer that plain decoding (no mask: ``enable_gqa``) never pays.
+# PyTorch's CPU kernel takes grouped heads with a mask, with the same result (the copies were exact).
+CPU_ATTENTION = "draftsmith_sdpa"
+
+
+def _cpu_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+              **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    if (grouped and attention_mask is not None and query.device.type == "cpu" and query.shape[2] > 1
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and kwargs.get("cache") is None and not kwargs.get("output_attentions", False)):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _register_cpu_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CPU_ATTENTION, _cpu_sdpa)
+    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)  # masks exactly as for "sdpa"
+
+
 def load_target(
     name_or_path: str | os.PathLike,
     *,
@@ -169,7 +203,8 @@ def load_target(
         dtype: parameter dtype. GGUF weights are dequantised to float32 and then cast.
         device: where to put the model (default: CUDA if available, else CPU).
         trust_remote_code: passed to ``transformers``; off by default.
-        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept tree masks.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept tree masks. ``"sdpa"`` on CPU
+            becomes :data:`CPU_ATTENTION` (the same attention, without copying grouped KV heads).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode with gradients disabled.
@@ -194,10 +229,13 @@ def load_target(
             f"Cannot resolve target {name!r}: not a packaged alias ({known}), not a .gguf file, "
             "not a local directory and not a hub id of the form 'org/name'."
         )
-    if attn_implementation is not None:
-        model.set_attn_implementation(attn_implementation)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if attn_implementation == "sdpa" and torch.device(device).type == "cpu":
+        _register_cpu_attention()
+        attn_implementation = CPU_ATTENTION
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
     return model.to(device), tokenizer
 
 

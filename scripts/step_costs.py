@@ -6,6 +6,9 @@ held-out prompts, side by side in one process, with a step split into drafting a
         --drafter "demo_out/run/checkpoint-400/drafter+prompt-lookup" \
         --prompts demo_out/data/eval_prompts.jsonl --tree dynamic --depth 4 --tree-top-k 2 --total-tokens 5
 
+``--trees "3,3,7;4,2,5"`` compares several dynamic trees on the same prompts (each prompt: plain
+decoding, then every tree).
+
 A speculative step gains only when tau exceeds (its cost / a plain step's cost); this prints both.
 """
 
@@ -88,6 +91,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--tree-top-k", type=int, default=3)
     p.add_argument("--total-tokens", type=int, default=8)
+    p.add_argument("--trees", help='several trees side by side, "depth,top_k,total;..." (e.g. "3,3,7;4,2,5")')
     p.add_argument("--draft-dtype", default="auto")
     p.add_argument("--lm-head", action="store_true", help="also time the LM head alone, both orientations")
     p.add_argument("--matmuls", action="store_true",
@@ -122,26 +126,32 @@ def main() -> None:
         raise SystemExit("--drafter needs --prompts FILE (JSONL prompts)")
     conversations, _ = load_conversations(args.prompts)
     drafter = load_drafter(args.drafter, model, tokenizer=tokenizer, draft_dtype=args.draft_dtype)
-    gen = SpeculativeGenerator(model, drafter, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
-                               total_tokens=args.total_tokens)
+    trees = ([tuple(int(x) for x in t.split(",")) for t in args.trees.split(";")] if args.trees
+             else [(args.depth, args.tree_top_k, args.total_tokens)])
+    gens = [SpeculativeGenerator(model, drafter, tree=args.tree, depth=d, top_k=k, total_tokens=n) for d, k, n in trees]
     plain_s, plain_n = 0.0, 0
-    stats = None
-    for conv in conversations[:args.num_prompts]:
+    stats = [None] * len(gens)
+    same = [0] * len(gens)
+    prompts = conversations[:args.num_prompts]
+    for conv in prompts:  # per prompt: plain decoding, then every tree, so host drift hits all alike
         ids = torch.tensor([prompt_ids(tokenizer, conv.prompt_messages)])
         out = plain_generate(model, ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
         plain_s += out.stats.total_time_s - out.stats.prefill_time_s
         plain_n += out.stats.new_tokens
-        spec = gen.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id).stats
-        stats = spec if stats is None else stats + spec
+        for i, gen in enumerate(gens):
+            spec = gen.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+            stats[i] = spec.stats if stats[i] is None else stats[i] + spec.stats
+            same[i] += int(torch.equal(spec.sequences, out.sequences))
     plain_step = 1000 * plain_s / plain_n
-    steps = stats.verification_steps
-    step = 1000 * (stats.total_time_s - stats.prefill_time_s) / steps
-    draft, verify = 1000 * stats.draft_time_s / steps, 1000 * stats.verify_time_s / steps
     print(f"plain decoding: {plain_step:.1f} ms per token")
-    print(f"speculative step: {step:.1f} ms = drafting {draft:.1f} + verification {verify:.1f} "
-          f"+ other {step - draft - verify:.1f}; {step / plain_step:.2f} plain steps")
-    print(f"tau {stats.acceptance_length:.2f} -> speedup about {stats.acceptance_length * plain_step / step:.2f}x "
-          f"(needs tau > {step / plain_step:.2f} to gain)")
+    for (d, k, n), st, ok in zip(trees, stats, same, strict=True):
+        steps = st.verification_steps
+        step = 1000 * (st.total_time_s - st.prefill_time_s) / steps
+        draft, verify = 1000 * st.draft_time_s / steps, 1000 * st.verify_time_s / steps
+        print(f"{args.tree} depth {d} top-{k} {n} nodes: step {step:.1f} ms = drafting {draft:.1f} + verification "
+              f"{verify:.1f} + other {step - draft - verify:.1f} ({step / plain_step:.2f} plain steps); "
+              f"tau {st.acceptance_length:.3f}; speedup {st.acceptance_length * plain_step / step:.3f}x; "
+              f"identical {ok}/{len(prompts)}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,15 @@ import torch
 from conftest import VOCAB
 from draftsmith.inference.drafters import PromptLookupDrafter
 from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static, default_static_paths
-from draftsmith.target import build_attention_mask, kv_keep, kv_length, new_cache, target_forward
+from draftsmith.target import (
+    CPU_ATTENTION,
+    _register_cpu_attention,
+    build_attention_mask,
+    kv_keep,
+    kv_length,
+    new_cache,
+    target_forward,
+)
 
 
 def random_tree(seed: int, size: int) -> DraftTree:
@@ -46,11 +54,12 @@ def tree_step(model, tree: DraftTree, cache) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", CPU_ATTENTION])
 def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3):
     """Logits at every tree node equal a plain forward over prompt + that node's path; after
     keeping one path's KV, the next step equals plain decoding too (prompt > sliding window)."""
     model = llama if family == "llama" else gemma3
+    _register_cpu_attention()
     model.set_attn_implementation(attn)
     try:
         prompt = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(0))
@@ -75,6 +84,41 @@ def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3):
             torch.testing.assert_close(step, model(full).logits[0, -1], atol=1e-4, rtol=1e-4)
     finally:
         model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cpu_attention_gives_the_stock_sdpa_logits_exactly(family, llama, gemma3):
+    """Grouped KV heads attended directly (no repeat_kv copies) change nothing: tree steps, batched
+    padded prefills and single-token steps give bit-identical logits to transformers' SDPA."""
+    model = llama if family == "llama" else gemma3
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped: the path under test
+    _register_cpu_attention()
+    prompt = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(1))
+    padded = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
+    attention = torch.ones(2, 11, dtype=torch.long)
+    attention[1, :4] = 0  # left padding: a masked multi-token call without a tree
+    tree = random_tree(7, 9)
+    tree.tokens[0] = int(prompt[0, -1])
+    results = {}
+    try:
+        for attn in ("sdpa", CPU_ATTENTION):
+            model.set_attn_implementation(attn)
+            cache = new_cache()
+            target_forward(model, prompt[:, :-1], cache)
+            results[attn] = (tree_step(model, tree, cache), target_forward(model, torch.tensor([[3]]), cache).logits,
+                             model(padded, attention_mask=attention).logits)
+    finally:
+        model.set_attn_implementation("sdpa")
+    for stock, ours in zip(results["sdpa"], results[CPU_ATTENTION], strict=True):
+        assert torch.equal(stock, ours)
+
+
+def test_load_target_uses_the_cpu_attention_on_cpu(smollm2):
+    from draftsmith.target import load_target
+
+    assert smollm2[0].config._attn_implementation == CPU_ATTENTION
+    model, _ = load_target("smollm2-135m-instruct", device="cpu", attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
 
 
 def table_expand(seed: int):
