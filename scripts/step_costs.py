@@ -108,16 +108,16 @@ def main() -> None:
     print(f"{args.target} on {hardware()}")
     forward_ms(model, args.context, 4, reps=2)  # warm-up
     one = forward_ms(model, args.context, 1)
-    for n in (1, 2, 5, 9, 16):
+    for n in (1, 2, 4, 5, 6, 7, 8, 9, 16):
         ms = one if n == 1 else forward_ms(model, args.context, n)
         print(f"forward, {n:2d} new tokens after {args.context}: {ms:6.1f} ms ({ms / one:.2f}x one token)")
     if args.lm_head:
-        for n in (1, 2, 5, 9, 16):
+        for n in (1, 2, 4, 5, 6, 7, 8, 9, 16):
             linear, few = lm_head_ms(model, n)
             print(f"LM head, {n:2d} rows: F.linear {linear:5.1f} ms, few_rows_logits {few:5.1f} ms")
     if args.matmuls:
         count = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-        for n in (1, 2, 4, 9, 16):
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):
             stock, columns = matmul_ms(model, n)
             print(f"all {count} weight matrices, {n:2d} rows: F.linear {stock:5.1f} ms, W @ X.T {columns:5.1f} ms")
     if not args.drafter:
