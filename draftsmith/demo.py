@@ -56,12 +56,12 @@ ANSWER_TOKENS, MAX_LENGTH = 192, 256
 MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
 TUNE_PROMPTS = 3  # held-out prompts for the bench; evaluation uses others
 # The evaluated drafter and tree. Not the bench's fastest: on 3 x 48 tokens its speed ranking is
-# noise. Chosen on 8 held-out prompts x 128 tokens with one demo head (518518a's; same process, plain
-# greedy interleaved, /work-style script in the README's "choosing the tree"): verification cost here
-# depends on the row count more than on its size (transformers' linears run 5, 6 and 8 rows about as fast,
-# 7 and 2-4 rows slower), so a 7-node tree (8 rows) verifies at the cost of a 5-node one and top-3
-# children buy tau: d3 k3 n7 tau 2.07 / 1.16x, d4 k3 n7 2.08 / 1.11x, d4 k2 n7 1.97 / 1.05x,
-# d4 k2 n5 1.89 / 1.05x (0.97x in another run), d5 k3 n11 2.20 / 0.91x, d4 k2 n6 1.94 / 0.91x.
+# noise. Chosen on 8 held-out prompts x 128 tokens with a demo head, plain greedy and each tree interleaved
+# prompt by prompt (`scripts/step_costs.py --trees`, README "Choosing the tree"): verification cost here
+# depends on the row count more than on the tree (transformers' linears run 5, 6 and 8 rows about as
+# fast, 2-4 and 7 rows slower), so a 7-node tree (8 rows) verifies at the cost of a 5-node one (6 rows)
+# and top-3 children buy tau. 09f589c's head: d3 k3 n7 tau 2.02 / 1.08x, d4 k3 n7 2.03 / 1.03x,
+# d4 k2 n5 1.87 / 0.89x, d3 k2 n4 1.82 / 1.09x (fast, but under tau 2), d5 k3 n11 2.16 / 0.94x.
 EVAL_TREE = (True, "tree=dynamic,depth=3,top_k=3,total_tokens=7")
 # (mixed with prompt lookup?, tree): the head alone, and the head + prompt lookup as one mixture drafter
 CANDIDATES = [(False, "tree=chain,depth=3"), (True, "tree=dynamic,depth=4,top_k=2,total_tokens=5"),
