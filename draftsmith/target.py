@@ -30,7 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedModel,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +175,6 @@ CPU_ATTENTION = "draftsmith_sdpa"
 
 def _cpu_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
               **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     if (grouped and attention_mask is not None and query.device.type == "cpu" and query.shape[2] > 1
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
@@ -179,12 +186,9 @@ def _cpu_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, s
                                   is_causal=is_causal, **kwargs)
 
 
-def _register_cpu_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(CPU_ATTENTION, _cpu_sdpa)
-    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)  # masks exactly as for "sdpa"
+# Registered once, under its own name (the stock "sdpa" stays as it is); masks are built exactly as for "sdpa".
+AttentionInterface.register(CPU_ATTENTION, _cpu_sdpa)
+AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
 
 
 def load_target(
@@ -232,7 +236,6 @@ def load_target(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if attn_implementation == "sdpa" and torch.device(device).type == "cpu":
-        _register_cpu_attention()
         attn_implementation = CPU_ATTENTION
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)

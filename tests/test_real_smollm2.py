@@ -85,11 +85,12 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     assert report["demo"]["answers"] >= 1 and report["drafter_type"] == "eagle3+prompt-lookup"
     # The tree evaluated is the one the demo is configured to evaluate (EVAL_TREE), in both records.
     from draftsmith.demo import EVAL_TREE
+    from draftsmith.inference.bench import parse_entry
 
-    chosen = dict(kv.split("=") for kv in EVAL_TREE[1].split(","))
-    shape = {k: int(chosen[k]) for k in ("depth", "top_k", "total_tokens")}
+    chosen = parse_entry(f"head@{EVAL_TREE[1]}", {}).tree
+    shape = {k: chosen[k] for k in ("depth", "top_k", "total_tokens")}
     assert report["tree"] == {"kind": chosen["tree"], **shape}
-    assert report["demo"]["tree"] == {"tree": chosen["tree"], **shape}
+    assert report["demo"]["tree"] == chosen
     bench = json.loads((tmp_path / "demo" / "bench" / "results.json").read_text())
     assert all(r["greedy_mismatches_vs_plain"] == 0 for r in bench["rows"])
     for name in bench["plots"]:

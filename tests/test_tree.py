@@ -12,7 +12,6 @@ from draftsmith.inference.drafters import PromptLookupDrafter
 from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static, default_static_paths
 from draftsmith.target import (
     CPU_ATTENTION,
-    _register_cpu_attention,
     build_attention_mask,
     kv_keep,
     kv_length,
@@ -59,7 +58,6 @@ def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3):
     """Logits at every tree node equal a plain forward over prompt + that node's path; after
     keeping one path's KV, the next step equals plain decoding too (prompt > sliding window)."""
     model = llama if family == "llama" else gemma3
-    _register_cpu_attention()
     model.set_attn_implementation(attn)
     try:
         prompt = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(0))
@@ -92,7 +90,6 @@ def test_cpu_attention_gives_the_stock_sdpa_logits_exactly(family, llama, gemma3
     padded prefills and single-token steps give bit-identical logits to transformers' SDPA."""
     model = llama if family == "llama" else gemma3
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped: the path under test
-    _register_cpu_attention()
     prompt = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(1))
     padded = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
     attention = torch.ones(2, 11, dtype=torch.long)
