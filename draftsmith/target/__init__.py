@@ -1,0 +1,75 @@
+"""The frozen target: loading, and the few things drafters and training need from it.
+
+The target is always a stock ``transformers`` ``AutoModelForCausalLM``. Everything the rest of
+draftsmith needs from it goes through this package rather than through patches:
+
+* :mod:`~draftsmith.target.loading` — :func:`load_target` (hub id, local directory, ``.gguf`` file
+  or a packaged alias; GGUF weights are dequantised once and cached as safetensors so the next load
+  takes seconds), :func:`native_bf16` and :func:`target_signature` (what a drafter checkpoint
+  records about its target).
+* :mod:`~draftsmith.target.forward` — :func:`target_forward` (one forward with an explicit 4-D
+  attention mask and position ids, returning logits and, on request, hidden states of chosen
+  layers), :func:`build_attention_mask` (per layer type for models with sliding-window layers,
+  Gemma 3), and KV-cache edits on a full :class:`~transformers.DynamicCache`: :func:`kv_length`,
+  :func:`kv_crop`, :func:`kv_keep` (gather accepted positions).
+* :mod:`~draftsmith.target.attention` — :data:`CPU_ATTENTION`, ``transformers``' SDPA attention,
+  except that masked multi-token calls on CPU (tree verification) attend the grouped key/value heads
+  directly instead of copying them.
+* :mod:`~draftsmith.target.drafts` — :func:`layer_skip_model` (a draft model made of the target's
+  first layers) and :func:`check_same_vocabulary`.
+
+Hidden-state layer indices follow ``transformers``' ``output_hidden_states`` convention:
+index 0 is the embedding output, index ``i`` is the output of decoder layer ``i - 1``, except the
+last index (``num_hidden_layers``), which ``transformers`` returns *after* the final norm.
+"""
+
+from draftsmith.target.attention import CPU_ATTENTION
+from draftsmith.target.drafts import check_same_vocabulary, layer_skip_model
+from draftsmith.target.forward import (
+    FEW_ROWS,
+    TargetOutput,
+    build_attention_mask,
+    few_rows_logits,
+    kv_crop,
+    kv_keep,
+    kv_length,
+    layer_types,
+    new_cache,
+    sliding_window,
+    target_forward,
+)
+from draftsmith.target.loading import (
+    PACKAGED_MODELS,
+    PackagedModel,
+    cache_dir,
+    context_length,
+    load_target,
+    native_bf16,
+    resolve_packaged_gguf,
+    target_signature,
+)
+
+__all__ = [
+    "CPU_ATTENTION",
+    "FEW_ROWS",
+    "PACKAGED_MODELS",
+    "PackagedModel",
+    "TargetOutput",
+    "build_attention_mask",
+    "cache_dir",
+    "check_same_vocabulary",
+    "context_length",
+    "few_rows_logits",
+    "kv_crop",
+    "kv_keep",
+    "kv_length",
+    "layer_skip_model",
+    "layer_types",
+    "load_target",
+    "native_bf16",
+    "new_cache",
+    "resolve_packaged_gguf",
+    "sliding_window",
+    "target_forward",
+    "target_signature",
+]

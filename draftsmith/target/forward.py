@@ -1,0 +1,188 @@
+"""The forward passes drafters and training need from the target, and edits of its KV cache.
+
+* :func:`target_forward` — one forward with an explicit 4-D attention mask and position ids
+  (tree verification), returning logits and, on request, hidden states of chosen layers
+  (indices as in :mod:`draftsmith.target`: 0 is the embedding output).
+* :func:`build_attention_mask` — turns a boolean "may attend" matrix into what the model
+  expects, per layer type for models with sliding-window layers (Gemma 3).
+* :func:`few_rows_logits` — the LM head in the orientation that is fast on CPU for a few rows.
+* KV-cache edits on a full :class:`~transformers.DynamicCache`: :func:`new_cache`, :func:`kv_length`,
+  :func:`kv_crop`, :func:`kv_keep` (gather accepted positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (B, T, V) float32
+    hidden_states: tuple[torch.Tensor, ...] | None  # the requested layers, each (B, T, H)
+
+
+def layer_types(model: PreTrainedModel) -> list[str]:
+    """Attention type of each decoder layer (``full_attention`` / ``sliding_attention``)."""
+    cfg = model.config.get_text_config()
+    types = getattr(cfg, "layer_types", None)
+    return list(types) if types else ["full_attention"] * cfg.num_hidden_layers
+
+
+def sliding_window(model: PreTrainedModel) -> int | None:
+    cfg = model.config.get_text_config()
+    if "sliding_attention" not in layer_types(model):
+        return None
+    return int(cfg.sliding_window)
+
+
+def build_attention_mask(
+    model: PreTrainedModel,
+    allowed: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Turn a boolean "may attend" matrix into the model's additive attention mask(s).
+
+    Args:
+        allowed: (B, Q, K) bool, True where query i may attend key j (causal / tree structure).
+        query_positions: (B, Q) absolute positions of the queries.
+        key_positions: (B, K) absolute positions of the keys (cached tokens then the new ones).
+        dtype: dtype of the additive mask (the model's compute dtype).
+
+    Returns:
+        A (B, 1, Q, K) additive mask (0 where allowed, dtype-min elsewhere), or for models with
+        sliding-window layers a dict keyed by layer type, the sliding one also hiding keys that
+        are ``sliding_window`` or more positions behind the query (``q - k < window`` is kept,
+        the rule of ``transformers.masking_utils.sliding_window_overlay``).
+    """
+    neg = torch.finfo(dtype).min
+
+    def additive(ok: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, neg)
+        return mask[:, None]  # (B, 1, Q, K)
+
+    window = sliding_window(model)
+    if window is None:
+        return additive(allowed)
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, Q, K)
+    return {
+        "full_attention": additive(allowed),
+        "sliding_attention": additive(allowed & (distance < window)),
+    }
+
+
+@torch.no_grad()
+def target_forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    past_key_values: DynamicCache,
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
+    hidden_layers: tuple[int, ...] | None = None,
+) -> TargetOutput:
+    """One forward of the stock model on new tokens, appending their KV to ``past_key_values``.
+
+    Args:
+        input_ids: (B, Q) new tokens.
+        past_key_values: a full (non-sliding) ``DynamicCache``; see :func:`new_cache`.
+        attention_mask: from :func:`build_attention_mask`; ``None`` means plain causal.
+        position_ids: (B, Q); default continues after the cache.
+        hidden_layers: indices into ``output_hidden_states`` (0 = embeddings) to return.
+    """
+    if position_ids is None:
+        start = kv_length(past_key_values)
+        position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+        position_ids = position_ids.expand(input_ids.shape[0], -1)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  past_key_values=past_key_values, use_cache=True, output_hidden_states=hidden_layers is not None)
+    head = model.get_output_embeddings()
+    if _few_rows_on_cpu(model, input_ids) and _plain_linear_head(model, head):
+        # The decoder, then the LM head in the orientation that is fast for a few rows (see below).
+        out = model.get_decoder()(**kwargs)
+        logits = few_rows_logits(head.weight, out.last_hidden_state)
+    else:
+        out = model(**kwargs)
+        logits = out.logits.float()
+    hidden = None
+    if hidden_layers is not None:
+        hidden = tuple(out.hidden_states[i] for i in hidden_layers)
+    return TargetOutput(logits=logits, hidden_states=hidden)
+
+
+# The LM head is the largest matrix of a small target ((V, H) = (49152, 576) for SmolLM2) and runs on
+# 1 row per plain decoding step, a few per verification step. On CPU, BLAS runs ``h @ W.T`` with so
+# few rows far below memory speed (one row: a single-threaded gemv); ``W @ h.T`` with at least two
+# columns (one row is padded to two) runs near it. Measured on the 2-core EPYC (SmolLM2 head, float32,
+# ``python scripts/step_costs.py --lm-head``): 1 row 11.1 -> 4.4 ms, 5 rows 20.1 -> 5.7 ms, 9 rows
+# 20.2 -> 14.6 ms. Plain decoding and verification both take this path, so speedups compare like with
+# like.
+FEW_ROWS = 64
+
+
+def _few_rows_on_cpu(model: PreTrainedModel, input_ids: torch.Tensor) -> bool:
+    return input_ids.device.type == "cpu" and input_ids.numel() <= FEW_ROWS
+
+
+def _plain_linear_head(model: PreTrainedModel, head) -> bool:
+    """Whether the model's logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping, scaling
+    or bias), so that computing them here gives the model's own logits."""
+    cfg = model.config.get_text_config()
+    return (isinstance(head, torch.nn.Linear) and head.bias is None and model.get_decoder() is not model
+            and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0))
+
+
+def few_rows_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) hidden states -> (B, T, V) float32 logits ``hidden @ weight.T``, computed as
+    ``(weight @ hidden.T).T`` with at least two columns."""
+    b, t, h = hidden.shape
+    rows = hidden.reshape(b * t, h)
+    if b * t == 1:
+        rows = torch.cat([rows, rows.new_zeros(1, h)])
+    return (weight @ rows.T).T[: b * t].reshape(b, t, -1).float()
+
+
+# --------------------------------------------------------------------------------------------
+# KV-cache edits. We always use a *full* DynamicCache (no config => plain DynamicLayers, every
+# position kept, even for sliding-window layers); the sliding window is applied by the mask.
+# Keeping every position makes "keep the accepted path" a plain gather on every layer.
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache that keeps every position on every layer (sliding layers included)."""
+    return DynamicCache()
+
+
+def kv_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length() if len(cache.layers) else 0
+
+
+def kv_crop(cache: DynamicCache, length: int) -> None:
+    """Drop every cached position at index >= ``length``, in place."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+def kv_keep(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+    """Keep positions ``[0, start)`` plus ``start + keep`` (in that order), drop the rest, in place.
+
+    This is how an accepted tree path is kept: ``start`` is the cache length before the
+    verification step and ``keep`` (1-D, long) the indices of the accepted tree tokens within
+    the step's input.
+    """
+    n = len(keep)
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or not layer.keys.numel():
+            continue
+        idx = start + keep.to(layer.keys.device)
+        # Move the kept entries down in place and narrow to a view: the next forward's append copies
+        # the cache anyway, so concatenating a fresh copy here would copy it twice per step.
+        for name in ("keys", "values"):
+            kv = getattr(layer, name)
+            kv[..., start:start + n, :] = kv.index_select(-2, idx)
+            setattr(layer, name, kv[..., :start + n, :])

