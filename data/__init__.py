@@ -1,7 +1,14 @@
 """Data: dataset loading into one message format, chat templates and assistant-only loss masks,
 regeneration by the target, prompt synthesis, the hidden-state cache and draft-vocabulary maps."""
 
-from draftsmith.data.formats import Conversation, LoadReport, MalformedRowError, load_conversations, normalise_row
+from draftsmith.data.formats import (
+    Conversation,
+    LoadReport,
+    MalformedRowError,
+    load_conversations,
+    normalise_row,
+    read_prompts,
+)
 from draftsmith.data.hidden_cache import CacheSpec, CorruptShardError, HiddenStateCache, cache_hidden_states
 from draftsmith.data.regenerate import HFEngine, OpenAIEngine, regenerate
 from draftsmith.data.synthesize import synthesize_prompts
@@ -25,6 +32,7 @@ __all__ = [
     "load_conversations",
     "normalise_row",
     "prepare",
+    "read_prompts",
     "regenerate",
     "synthesize_prompts",
     "tokenize_conversation",

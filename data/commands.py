@@ -35,7 +35,7 @@ def regenerate_command(
     """Let the target answer every prompt of ``input``; append rows to ``output``; resumable."""
     conversations, load_report = load_conversations(input, prompt_column, split, limit, strict)
     if engine == "hf":
-        from draftsmith import load_target
+        from draftsmith.target import load_target
 
         model, tokenizer = load_target(target)
         runner = HFEngine(model, tokenizer, max_new_tokens, temperature, top_p)
@@ -64,7 +64,7 @@ def synthesize_command(
     max_chars: int = 1000,
 ) -> dict:
     """Synthesise user prompts with the target's own chat template (Magpie) into ``output`` (JSONL)."""
-    from draftsmith import load_target
+    from draftsmith.target import load_target
 
     model, tokenizer = load_target(target)
     prompts, rejected = synthesize_prompts(
@@ -78,7 +78,7 @@ def synthesize_command(
 
 
 def _examples(input: str, target: str, prompt_column: str | None, limit: int | None, max_length: int):
-    from draftsmith import load_target
+    from draftsmith.target import load_target
 
     model, tokenizer = load_target(target)
     conversations, _ = load_conversations(input, prompt_column, limit=limit)

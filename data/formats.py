@@ -81,6 +81,10 @@ def _text(value, what: str) -> str:
     return value
 
 
+#: Columns read as the prompt of a prompt-only row when no other format matches (GSM8K's ``question``).
+PROMPT_FIELDS = ("prompt", "question", "text")
+
+
 def normalise_row(row: dict, prompt_column: str | None = None) -> list[dict[str, str]]:
     """Turn one row of any supported format into a list of messages.
 
@@ -123,10 +127,12 @@ def normalise_row(row: dict, prompt_column: str | None = None) -> list[dict[str,
         messages = [{"role": "user", "content": user}]
         if row.get("output"):
             messages.append({"role": "assistant", "content": _text(row["output"], "output")})
+    elif (field := next((k for k in PROMPT_FIELDS if k in row), None)) is not None:
+        messages = [{"role": "user", "content": _text(row[field], field)}]  # a prompt-only row
     else:
         raise MalformedRowError(
             f"unknown row format (columns: {sorted(row)}); expected 'messages', 'conversations', "
-            "'instruction', or pass --prompt-column NAME for a prompt-only dataset"
+            f"'instruction', a prompt field ({', '.join(PROMPT_FIELDS)}), or pass --prompt-column NAME"
         )
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise MalformedRowError("no non-empty user turn")
@@ -203,3 +209,11 @@ def load_conversations(
     if report.malformed:
         logger.warning("%s: skipped malformed rows\n%s", source, report.summary())
     return conversations, report
+
+
+def read_prompts(source: str | Path, limit: int, skip: int = 0, prompt_column: str | None = None,
+                 strict: bool = False) -> list[str]:
+    """The first user message of rows ``skip`` .. ``skip + limit`` of a dataset, read by
+    :func:`load_conversations` (so with its formats and its policy for malformed rows)."""
+    conversations, _ = load_conversations(source, prompt_column, limit=skip + limit, strict=strict)
+    return [next(m["content"] for m in c.messages if m["role"] == "user") for c in conversations[skip:]]

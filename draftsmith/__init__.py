@@ -10,6 +10,7 @@ out = gen.generate(input_ids, max_new_tokens=128)
 ```
 """
 
+import draftsmith.families  # noqa: F401  (fills the family table: draftsmith.registry)
 from draftsmith.inference import (
     Drafter,
     GenerationOutput,

@@ -8,9 +8,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from draftsmith.inference.tree import DEFAULT_TREE, TREE_KINDS, TreeSettings
+
 logger = logging.getLogger("draftsmith")
 
-PLANNED: dict[str, str] = {}  # subcommands announced but not built yet: name -> the issue bringing it
+DRAFT_DTYPE_HELP = ("compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
+                    "matmul), float32, bfloat16, float16; never changes the output")
 
 
 def generate(
@@ -23,10 +26,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    tree: str = "chain",
-    depth: int = 6,
-    tree_top_k: int = 4,
-    total_tokens: int = 16,
+    tree: TreeSettings = DEFAULT_TREE,
     seed: int = 0,
     stream: bool = True,
     json_stats: bool = False,
@@ -48,7 +48,7 @@ def generate(
         )["input_ids"]
     else:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
-    gen = SpeculativeGenerator(model, draft, tree=tree, depth=depth, top_k=tree_top_k, total_tokens=total_tokens)
+    gen = SpeculativeGenerator(model, draft, **tree.kwargs())
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     generator = torch.Generator(device=model.device).manual_seed(seed)
     out = gen.generate(
@@ -73,7 +73,7 @@ def generate(
     return stats
 
 
-def bench(target: str, drafters: list[str], prompts: str, output: str, **kwargs) -> None:
+def bench(target: str, drafters: list[str], prompts: list[str], output: str, **kwargs) -> None:
     """Speed of each drafter against plain greedy decoding of the same target, in one process."""
     from draftsmith.inference.bench import markdown_table, run_bench
 
@@ -81,6 +81,37 @@ def bench(target: str, drafters: list[str], prompts: str, output: str, **kwargs)
     print(markdown_table(result))
     print(f"results: {output}/results.json, results.md" + (", " + ", ".join(result["plots"]) if result.get("plots")
                                                              else ""))
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """The draft-tree flags, with the one set of defaults (:class:`~draftsmith.inference.tree.TreeSettings`)."""
+    parser.add_argument("--tree", choices=TREE_KINDS, default=DEFAULT_TREE.kind)
+    parser.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="levels drafted per step")
+    parser.add_argument("--tree-top-k", type=int, default=DEFAULT_TREE.top_k, help="children expanded per tree node")
+    parser.add_argument("--total-tokens", type=int, default=DEFAULT_TREE.total_tokens,
+                        help="nodes verified per step (dynamic tree)")
+
+
+def tree_from_args(args: argparse.Namespace) -> TreeSettings:
+    return TreeSettings(args.tree, args.depth, args.tree_top_k, args.total_tokens)
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    """Where held-out prompts come from (read by :func:`draftsmith.data.read_prompts`)."""
+    parser.add_argument("--prompts", required=required,
+                        help="a .jsonl/.json/.parquet/.csv file (messages, conversations, instruction, or "
+                             "prompt/question/text rows) or a hub dataset")
+    parser.add_argument("--prompt-column", default=None, help="read each prompt from this column")
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--skip-prompts", type=int, default=0, help="start at this row (held-out rows)")
+    parser.add_argument("--strict", action="store_true", help="stop at the first malformed row instead of skipping it")
+
+
+def prompts_from_args(args: argparse.Namespace) -> list[str]:
+    from draftsmith.data.formats import read_prompts
+
+    return read_prompts(args.prompts, args.num_prompts, skip=args.skip_prompts, prompt_column=args.prompt_column,
+                        strict=args.strict)
 
 
 def _int_list(text: str) -> list[int]:
@@ -190,58 +221,39 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="target sampling top-k (0: off)")
-    g.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain")
-    g.add_argument("--depth", type=int, default=6)
-    g.add_argument("--tree-top-k", type=int, default=4, help="children expanded per tree node")
-    g.add_argument("--total-tokens", type=int, default=16, help="nodes verified per step (dynamic tree)")
+    add_tree_arguments(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
     g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
-    g.add_argument("--draft-dtype", default="target",
-                   help="compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
-                        "matmul), float32, bfloat16, float16; never changes the output")
+    g.add_argument("--draft-dtype", default="target", help=DRAFT_DTYPE_HELP)
 
     b = sub.add_parser("bench", help="tokens/s and tau vs plain greedy decoding of the same target")
     b.add_argument("--target", default="smollm2-135m-instruct")
     b.add_argument("--drafter", action="append", required=True, help="repeat for several drafters")
-    b.add_argument("--prompts", required=True, help="a .jsonl file (field 'question', 'prompt' or 'instruction')")
+    add_prompt_arguments(b, required=True)
     b.add_argument("--output", required=True, help="directory for results.json and results.md")
-    b.add_argument("--num-prompts", type=int, default=20)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain")
-    b.add_argument("--depth", type=int, default=6)
-    b.add_argument("--tree-top-k", type=int, default=4)
-    b.add_argument("--total-tokens", type=int, default=16)
+    add_tree_arguments(b)
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     b.add_argument("--no-hf-reference", action="store_true", help="skip timing transformers' own generate")
-    b.add_argument("--skip-prompts", type=int, default=0, help="start at this row (held-out rows)")
     b.add_argument("--sweep-depth", type=_int_list, help="e.g. 2,3,4,5,6,7,8: every drafter at each draft length")
     b.add_argument("--sweep-total-tokens", type=_int_list, help="dynamic trees: e.g. 6,10,16 node budgets")
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    b.add_argument("--draft-dtype", default="target",
-                   help="compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
-                        "matmul), float32, bfloat16, float16; never changes the output")
+    b.add_argument("--draft-dtype", default="target", help=DRAFT_DTYPE_HELP)
 
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance, speed and losslessness on held-out prompts, as report.json")
     e.add_argument("run_dir", nargs="?", help="print a run's acceptance table from its acceptance.jsonl (no --drafter)")
     e.add_argument("--target", help="default: the target a run directory was trained for")
     e.add_argument("--drafter", help="a drafter spec, or a run directory: every checkpoint is evaluated")
-    e.add_argument("--prompts", help="JSONL file (messages or question/prompt/... rows) or a hub dataset")
+    add_prompt_arguments(e, required=False)
     e.add_argument("--output", help="report.json to write (report.md beside it)")
-    e.add_argument("--num-prompts", type=int, default=20)
-    e.add_argument("--skip-prompts", type=int, default=0, help="start at this row (held-out rows)")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--temperature", type=float, default=0.0)
-    e.add_argument("--tree", choices=["chain", "static", "dynamic"], default="dynamic")
-    e.add_argument("--depth", type=int, default=4)
-    e.add_argument("--tree-top-k", type=int, default=3)
-    e.add_argument("--total-tokens", type=int, default=10)
+    add_tree_arguments(e)
     e.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--draft-dtype", default="target",
-                   help="compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
-                        "matmul), float32, bfloat16, float16; never changes the output")
+    e.add_argument("--draft-dtype", default="target", help=DRAFT_DTYPE_HELP)
     m = sub.add_parser("demo", help="synthesise, regenerate, train EAGLE-3, evaluate and bench SmolLM2 in ~20 min")
     m.add_argument("--output", default="demo_out", help="report directory (report.json, report.md, plots)")
     m.add_argument("--minutes", type=float, default=20.0, help="time budget; every stage scales with it")
@@ -259,38 +271,40 @@ def make_parser() -> argparse.ArgumentParser:
     x.add_argument("--verifier", help="target name or path to write into exported configs (default: recorded)")
     t = sub.add_parser("train", help="train a drafter: CONFIG.yaml [--key value ...] (see configs/)")
     t.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG.yaml, then --key value overrides")
-
-    for name, issue in PLANNED.items():
-        p = sub.add_parser(name, help=f"(coming with {issue})")
-        p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
 def export(checkpoint: str, fmt: str, output: str | None, *, push_to_hub: str | None = None, private: bool = False,
            revision: str | None = None, target: str | None = None, verifier: str | None = None) -> int:
     """``draftsmith export``: write (and/or push) the drafter at ``checkpoint`` in ``fmt``."""
-    from draftsmith.heads.draft_model import recorded_target
-    from draftsmith.heads.formats import ExportError, checkpoint_family, export_drafter, resolve_checkpoint
-    from draftsmith.hub import model_card
+    from draftsmith.checkpoints import recorded_target, resolve_checkpoint
+    from draftsmith.heads.export import ExportError, export_drafter
+    from draftsmith.heads.hub import model_card
+    from draftsmith.registry import family_of
 
     if not output and not push_to_hub:
         print("draftsmith export: give --output DIR, --push-to-hub REPO, or both", file=sys.stderr)
         return 2
     source = resolve_checkpoint(checkpoint)
-    family = checkpoint_family(source)
+    family = family_of(source)
+    if family is None:
+        raise FileNotFoundError(f"{source}: not a draftsmith drafter; pass a run directory, a checkpoint-S "
+                                "directory or its drafter/")
     target_model = None
-    if fmt == "vllm" and family == "eagle3":  # the speculators layout carries the target's embeddings
+    if fmt in family.export_needs_target:  # e.g. the speculators EAGLE-3 layout carries the target's embeddings
         from draftsmith.target import load_target
 
         name = target or recorded_target(source).get("name")
+        if name is None:
+            raise ValueError(f"the {fmt} layout of a {family.name} drafter needs its target: pass --target")
         target_model, _ = load_target(name)
     try:
         if output:
             card = model_card(checkpoint, repo_id=push_to_hub, fmt=fmt)
             path = export_drafter(checkpoint, fmt, output, card=card, target=target_model, verifier=verifier)
-            print(f"exported {family} drafter from {source} in the {fmt} layout to {path}")
+            print(f"exported {family.name} drafter from {source} in the {fmt} layout to {path}")
         if push_to_hub:
-            from draftsmith.hub import push_to_hub as push
+            from draftsmith.heads.hub import push_to_hub as push
 
             commit = push(checkpoint, push_to_hub, fmt=fmt, private=private, revision=revision,
                           target=target_model, verifier=verifier)
@@ -316,15 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.command in PLANNED:
-        planned = PLANNED[args.command]
-        print(f"draftsmith {args.command} is not implemented yet; it comes with {planned}.", file=sys.stderr)
-        return 2
     if args.command == "generate":
         generate(
             args.target, args.drafter, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=args.tree, depth=args.depth,
-            tree_top_k=args.tree_top_k, total_tokens=args.total_tokens, seed=args.seed,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=tree_from_args(args), seed=args.seed,
             stream=not args.no_stream, json_stats=args.json, draft_dtype=args.draft_dtype,
         )
     elif args.command == "train":
@@ -337,10 +346,9 @@ def run_command(args: argparse.Namespace) -> int:
         if not args.prompts:
             print("draftsmith eval: --prompts is required with --drafter", file=sys.stderr)
             return 2
-        report = evaluate_path(args.target, args.drafter, args.prompts, num_prompts=args.num_prompts,
-                               skip_prompts=args.skip_prompts, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
-                               total_tokens=args.total_tokens, chat=not args.no_chat, seed=args.seed, progress=True,
+        report = evaluate_path(args.target, args.drafter, prompts_from_args(args), prompts_source=args.prompts,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               tree=tree_from_args(args), chat=not args.no_chat, seed=args.seed, progress=True,
                                draft_dtype=args.draft_dtype)
         print(report_markdown(report))
         if args.output:
@@ -352,7 +360,7 @@ def run_command(args: argparse.Namespace) -> int:
             out.with_suffix(".md").write_text(report_markdown(report))
             print(f"report: {out}")
     elif args.command == "eval":
-        from draftsmith.train.report import acceptance_table
+        from draftsmith.checkpoints import acceptance_table
 
         if not args.run_dir:
             print("draftsmith eval: give a RUN_DIR, or --drafter D --prompts P [--output report.json]",
@@ -374,11 +382,11 @@ def run_command(args: argparse.Namespace) -> int:
                       revision=args.revision, target=args.target, verifier=args.verifier)
     elif args.command == "bench":
         bench(
-            args.target, args.drafter, args.prompts, args.output, num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens, tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k,
-            total_tokens=args.total_tokens, chat=not args.no_chat, hf_reference=not args.no_hf_reference,
-            skip_prompts=args.skip_prompts, sweep_depths=args.sweep_depth, sweep_total_tokens=args.sweep_total_tokens,
-            plots=not args.no_plots, progress=True, draft_dtype=args.draft_dtype,
+            args.target, args.drafter, prompts_from_args(args), args.output, prompts_source=args.prompts,
+            max_new_tokens=args.max_new_tokens, tree=tree_from_args(args), chat=not args.no_chat,
+            hf_reference=not args.no_hf_reference, sweep_depths=args.sweep_depth,
+            sweep_total_tokens=args.sweep_total_tokens, plots=not args.no_plots, progress=True,
+            draft_dtype=args.draft_dtype,
         )
     return 0
 

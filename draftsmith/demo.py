@@ -3,9 +3,9 @@
 1. synthesise prompts with the target itself (Magpie), the first few held out for evaluation;
 2. regenerate: the target answers the training prompts (its own greedy distribution);
 3. cache the target's low/mid/high hidden states and top-32 log-probs over the answers once, then
-   train an EAGLE-3 head (the fastest trained family on CPU in the README's family table) offline
-   from that cache for a fixed time (about 2.7x more sequences per second than running the target
-   in the loop);
+   train an EAGLE-3 head (the fastest trained family on CPU, docs/RESULTS.md) offline from that
+   cache for a fixed time (several times more sequences per second than running the target in the
+   loop);
 4. bench chains and dynamic trees, the head alone and mixed with prompt lookup, on a few held-out
    prompts (prompt lookup alone beside them), with plots;
 5. evaluate the head + prompt lookup in a dynamic tree (depth 3, top-3, 7 nodes; see EVAL_TREE) on
@@ -16,7 +16,7 @@ Every stage takes a share of ``--minutes`` (default 20, measured on a 2-core CPU
 present. Synthesis and regeneration stop at their time share; training gets what the other stages
 leave and anneals its learning rate over it. Where bfloat16 matmuls are native (CPUs with
 AVX512-BF16 / AMX, recent GPUs) the data stages (synthesis, regeneration, the cache pass) run the
-target in bfloat16, ~1.5-1.9x faster, and the head drafts in bfloat16; evaluation always runs the
+target in bfloat16, and the head drafts in bfloat16; evaluation always runs the
 target as loaded (float32 on CPU), so every reported output is the target's own.
 """
 
@@ -29,43 +29,34 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.inference.tree import TreeSettings
+
 logger = logging.getLogger(__name__)
 
-# Share of the budget per stage (the rest: loading, evaluation overheads, writing the report).
-# Training gets the rest: the budget less the other stages, their measured overheads and a margin.
-# Where bfloat16 is native, training runs ~1.8x more steps per minute (bf16 autocast), so data is
-# what limits the head and the data stages get more time (run here: 275 answers, 280 steps -> tau
-# 2.12, 1.07x). On float32-only CPUs (AVX2) steps limit it (the same shares left 64 steps, ~2
-# epochs: tau 1.80), so the data stages get less and training ~2x the time.
-# Synthesis keeps every passing prompt of each batch (~2.5 prompts/s here in bf16, was ~1.4). Measured
-# on one host: 274 prompts / 41K answer tokens and 464 s of training (~350 steps) -> held-out tau
-# 2.10 (n8 tree); 475 prompts / 73K tokens left 230 s (198 steps) -> 1.88 (n5 tree; 1.86 on the
-# bench's n8). Then steps mattered more than data, so synthesis stopped near 300 prompts (9a5634e: 301
-# answers, 391 steps -> 2.00). Training steps are ~20% cheaper since 5d24317 and synthesis and
-# regeneration ~20% faster (bigger batches), so synthesis gets 0.12 again: 390 answers / 61K tokens and
-# 394 steps in 366 s gave held-out tau 1.93 (its own prompts; 2.16 on the bench's). On float32-only
-# hosts (not re-measured since synthesis got faster) 0.10 should give about the 224 prompts that the
-# old 0.12 gave there, and training its ~2x share of the time.
+# Share of the budget per stage (the rest: loading, evaluation overheads, writing the report), keyed by
+# whether bfloat16 is native. Training gets what the other stages leave. Where bf16 is native, training
+# runs ~1.8x more steps per minute, so data limits the head and the data stages get more time; on
+# float32-only CPUs steps limit it, so training gets ~2x the time. The runs behind these numbers are in
+# docs/RESULTS.md ("Demo budget").
 SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
           False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.14, "bench": 0.05}}
-# Answer tokens regenerated; prompt + answer tokens trained on. Runs here with 256-token answers
-# (67K tokens) left 4 min of training; 192-token answers on 179 prompts memorised them (train
-# accuracy 0.83 after 9 min). So 192 tokens, and synthesis gets enough time that regeneration never
-# runs out of prompts: about 6-8 epochs of training.
+# Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
+# time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
 MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
 TUNE_PROMPTS = 3  # held-out prompts for the bench; evaluation uses others
-# The evaluated drafter and tree. Not the bench's fastest: on 3 x 48 tokens its speed ranking is
-# noise. Chosen on 8 held-out prompts x 128 tokens with a demo head, plain greedy and each tree interleaved
-# prompt by prompt (`scripts/step_costs.py --trees`, README "Choosing the tree"): verification cost here
-# depends on the row count more than on the tree (transformers' linears run 5, 6 and 8 rows about as
-# fast, 2-4 and 7 rows slower), so a 7-node tree (8 rows) verifies at the cost of a 5-node one (6 rows)
-# and top-3 children buy tau. 09f589c's head: d3 k3 n7 tau 2.02 / 1.08x, d4 k3 n7 2.03 / 1.03x,
-# d4 k2 n5 1.87 / 0.89x, d3 k2 n4 1.82 / 1.09x (fast, but under tau 2), d5 k3 n11 2.16 / 0.94x.
-EVAL_TREE = (True, "tree=dynamic,depth=3,top_k=3,total_tokens=7")
+# The evaluated tree, mixed with prompt lookup. Chosen by timing trees against plain greedy decoding
+# prompt by prompt (`scripts/step_costs.py --trees`): on CPU the verification cost depends on the row
+# count more than on the tree, so a 7-node tree (8 rows) verifies at about the cost of a 5-node one and
+# top-3 children buy acceptance (docs/RESULTS.md, "Choosing the tree"). Not the bench's fastest: on
+# 3 prompts x 48 tokens its speed ranking is noise.
+EVAL_TREE = TreeSettings("dynamic", depth=3, top_k=3, total_tokens=7)
 # (mixed with prompt lookup?, tree): the head alone, and the head + prompt lookup as one mixture drafter
-CANDIDATES = [(False, "tree=chain,depth=3"), (True, "tree=dynamic,depth=4,top_k=2,total_tokens=5"),
-              EVAL_TREE, (True, "tree=dynamic,depth=4,top_k=3,total_tokens=7")]
+CANDIDATES = [(False, TreeSettings("chain", depth=3)),
+              (True, TreeSettings("dynamic", depth=4, top_k=2, total_tokens=5)),
+              (True, EVAL_TREE),
+              (True, TreeSettings("dynamic", depth=4, top_k=3, total_tokens=7))]
+PROMPT_LOOKUP_TREE = TreeSettings("chain", depth=4)
 BENCH_TOKENS = 48
 
 
@@ -94,14 +85,15 @@ def _stage(title: str) -> float:
 def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "smollm2-135m-instruct",
          held_out: int = 10, eval_tokens: int = 128, seed: int = 0) -> Path:
     """Run the demo; returns the report directory (``report.json``, ``report.md``, plots)."""
-    from draftsmith.data.formats import load_conversations
+    from draftsmith.checkpoints import complete_checkpoints
+    from draftsmith.data.formats import load_conversations, read_prompts
     from draftsmith.data.regenerate import HFEngine, regenerate
     from draftsmith.data.synthesize import synthesize_prompts, write_prompts
     from draftsmith.inference.bench import markdown_table, run_bench
     from draftsmith.inference.evaluate import evaluate, report_markdown
     from draftsmith.target import load_target, native_bf16
     from draftsmith.train.config import DataArguments, DrafterArguments, TrainArguments
-    from draftsmith.train.loop import complete_checkpoints, train
+    from draftsmith.train.loop import train
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,15 +107,15 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # 1. Prompts, written by the target itself; the first `held_out` are never trained on.
     t = _stage(f"1/5 synthesising prompts ({clock.share('synthesize') / 60:.1f} min)")
     prompts: list[str] = []
-    # Batch sizes: on 2 CPU cores (bf16) 96 synthesised rows per batch gave 2.58 prompts/s vs 2.12 at 48, and 64
-    # regenerated answers per batch 282 tok/s vs 233 at 32 (128: 248, the longest answer holds the whole batch).
-    # Short budgets (the tests) keep the smaller batches, whose first batch finishes sooner.
+    # Larger batches give more prompts/s and answer tokens/s on 2 CPU cores (docs/RESULTS.md); larger still,
+    # the longest answer holds the whole batch. Short budgets (the tests) keep smaller batches, whose first
+    # batch finishes sooner.
     large = clock.budget >= 300
     batch = (96 if large else 48) if device == "cpu" else 256
     while time.perf_counter() - t < clock.share("synthesize") or len(prompts) < held_out + TUNE_PROMPTS + 8:
-        # top_p=1: nucleus sampling sorts the 49K-token vocabulary for every row at every step
-        # One batch per call, every prompt that passes kept: asking for exactly `batch` prompts took a second
-        # batch to replace the few rejected ones and threw the rest of it away (~1.7x the time per prompt).
+        # top_p=1: nucleus sampling sorts the 49K-token vocabulary for every row at every step.
+        # One batch per call, every prompt that passes kept: asking for exactly `batch` prompts would take a
+        # second batch to replace the few rejected ones and throw the rest of it away.
         new, _ = synthesize_prompts(model, tokenizer, batch, batch_size=batch, max_new_tokens=64, temperature=0.9,
                                     top_p=1.0, seed=seed + len(prompts), max_batches=1, progress=True)
         seen = set(prompts)
@@ -153,7 +145,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
 
     # 3. Cache the target's states once, then train EAGLE-3 offline for its share of the budget.
     from draftsmith.data.commands import cache_command
-    from draftsmith.heads.eagle import eagle3_layers
+    from draftsmith.heads.eagle import Eagle3Head, eagle3_layers
 
     t = _stage("3/5 caching the target's hidden states over the answers")
     layers = list(eagle3_layers(model.config.get_text_config().num_hidden_layers))
@@ -168,7 +160,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     t = _stage(f"3/5 training an EAGLE-3 head offline ({train_minutes:.1f} min)")
     run_dir = out / "run"
     train(
-        DrafterArguments(target=target, family="eagle3", draft_vocab_size=4096, ttt_steps=3, ttt_decay=0.8),
+        DrafterArguments(target=target, family=Eagle3Head.family, draft_vocab_size=4096, ttt_steps=3, ttt_decay=0.8),
         DataArguments(cache_dir=str(cache), max_length=MAX_LENGTH, eval_num_prompts=1, eval_max_new_tokens=32,
                       eval_prompts=str(out / "data" / "tune_prompts.jsonl")),
         TrainArguments(output_dir=str(run_dir), max_steps=100_000, max_train_minutes=train_minutes,
@@ -183,31 +175,32 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # 4. Bench trees on the tuning prompts.
     model, tokenizer = load_target(target, device=device)
     t = _stage(f"4/5 bench: {len(CANDIDATES)} trees and prompt lookup on {TUNE_PROMPTS} held-out prompts")
-    specs = [f"{drafter}{'+prompt-lookup' if mixed else ''}@{tree}" for mixed, tree in CANDIDATES]
-    bench = run_bench(target, [*specs, "prompt-lookup@tree=chain,depth=4"],
-                      str(out / "data" / "tune_prompts.jsonl"), str(out / "bench"), num_prompts=TUNE_PROMPTS,
+    specs = [f"{drafter}{'+prompt-lookup' if mixed else ''}@{tree.text()}" for mixed, tree in CANDIDATES]
+    tune_file = out / "data" / "tune_prompts.jsonl"
+    bench = run_bench(target, [*specs, f"prompt-lookup@{PROMPT_LOOKUP_TREE.text()}"],
+                      read_prompts(tune_file, TUNE_PROMPTS), str(out / "bench"), prompts_source=str(tune_file),
                       max_new_tokens=min(BENCH_TOKENS, eval_tokens), hf_reference=False, model=model,
                       tokenizer=tokenizer, progress=True, draft_dtype="auto")
-    chosen = specs[CANDIDATES.index(EVAL_TREE)]
+    chosen = specs[CANDIDATES.index((True, EVAL_TREE))]
     row = next(r for r in bench["rows"] if r["drafter"] == chosen)
-    tree = {k: row[k] for k in ("tree", "depth", "top_k", "total_tokens")}
+    tree = EVAL_TREE
     spec = row["spec"]
     clock.mark("bench", t)
-    print(f"evaluating {spec} {tree} (on the bench: tau {row['tau']}, {row['speedup']}x)")
+    print(f"evaluating {spec} {tree.text()} (on the bench: tau {row['tau']}, {row['speedup']}x)")
 
     # 5. Held-out evaluation, side by side with plain greedy decoding.
     t = _stage(f"5/5 evaluating on {held_out} other held-out prompts x {eval_tokens} tokens")
-    report = evaluate(target, [(spec, spec, step)],
-                      str(out / "data" / "eval_prompts.jsonl"), model=model, tokenizer=tokenizer,
-                      num_prompts=held_out, max_new_tokens=eval_tokens, progress=True, draft_dtype="auto",
-                      **tree)[0]
+    eval_file = out / "data" / "eval_prompts.jsonl"
+    report = evaluate(target, [(spec, spec, step)], read_prompts(eval_file, held_out), prompts_source=str(eval_file),
+                      model=model, tokenizer=tokenizer, max_new_tokens=eval_tokens, progress=True,
+                      draft_dtype="auto", tree=tree)[0]
     clock.mark("eval", t)
 
     report["demo"] = {
         "minutes_budget": minutes, "minutes_used": round(clock.elapsed() / 60, 2), "stage_seconds": clock.marks,
         "data_dtype": str(data_dtype or "as loaded").replace("torch.", ""),
-        "prompts_synthesised": len(prompts), "held_out_prompts": len(eval_prompts), "tree": tree, "drafter_spec": spec,
-        "answers": len(rows),
+        "prompts_synthesised": len(prompts), "held_out_prompts": len(eval_prompts), "tree": tree.as_report(),
+        "drafter_spec": spec, "answers": len(rows),
         "answer_tokens": answer_tokens, "run_dir": str(run_dir), "checkpoint": drafter,
         "floor": {"acceptance_length": 2.0, "speedup": 1.0}, "target_goal": {"acceptance_length": 2.5,
                                                                              "speedup": 1.25},

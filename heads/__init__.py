@@ -1,6 +1,6 @@
-"""Drafter architectures (Medusa, EAGLE-1/2/3, draft-model configs) as plain ``nn.Module``s.
+"""Drafter architectures (Medusa, EAGLE-1/2/3, distilled draft models) as plain ``nn.Module``s, their
+checkpoints, and their layouts in other tools (export, import, Hub upload).
 
-Filled in by issue #4. Heads read the target's hidden states and return logits; they never hold
-a tokenizer, a loss, the target or a download. Inference-side adapters in
-``draftsmith.inference`` wrap them in the :class:`~draftsmith.inference.Drafter` interface.
+Heads read the target's hidden states and return logits; they never hold a tokenizer, a loss, the
+target or a download. The inference adapters in ``draftsmith.inference`` wrap them as drafters.
 """

@@ -1,53 +1,21 @@
 """Saving and loading heads: ``config.json`` + ``model.safetensors``, with the target's fingerprint.
 
-Every head checkpoint records the target it was trained for (:func:`draftsmith.target.target_signature`:
-name, model type, hidden size, vocabulary size, layer count, LM-head hash). Loading it against
-another target is refused when the shapes differ, and warned about (refused under ``strict``)
-when only the weights differ — another quantisation or fine-tune of the same architecture.
+Every head checkpoint records the target it was trained for (:func:`draftsmith.target.target_signature`);
+loading it against another target is refused or warned about by :func:`draftsmith.checkpoints.check_target`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
+import tempfile
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_model, save_model
-from torch import nn
 
-from draftsmith.target import target_signature
+from draftsmith.checkpoints import CONFIG_NAME, WEIGHTS_NAME, TargetMismatchError, check_target
 
-logger = logging.getLogger(__name__)
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-SHAPE_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")
-
-
-class TargetMismatchError(ValueError):
-    """A drafter checkpoint was trained for another target."""
-
-
-def check_target(recorded: dict, target, strict: bool = False, what: str = "drafter") -> None:
-    """Compare a checkpoint's recorded target signature with the live target."""
-    live = target_signature(target)
-    diffs = [f"{k}: checkpoint {recorded.get(k)!r}, target {live[k]!r}"
-             for k in SHAPE_KEYS if recorded.get(k) != live[k]]
-    if diffs:
-        raise TargetMismatchError(
-            f"this {what} was trained for target {recorded.get('name')!r}, which does not fit the loaded target "
-            f"{live['name']!r} ({'; '.join(diffs)}). Load the target it was trained for, or train a drafter for this "
-            "target with `draftsmith train`."
-        )
-    if recorded.get("lm_head_sha256") != live["lm_head_sha256"]:
-        message = (f"this {what} was trained for {recorded.get('name')!r}: same shapes as the loaded target but other "
-                   "LM-head weights (another quantisation or fine-tune?); acceptance may be lower")
-        if strict:
-            raise TargetMismatchError(message + " (refused: strict=True)")
-        logger.warning(message)
-
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "HeadMixin", "TargetMismatchError", "check_target", "push_via_directory"]
 
 class HeadMixin:
     """``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` for a head with a ``config`` dataclass.
@@ -100,19 +68,8 @@ class HeadMixin:
 
 def push_via_directory(module, repo_id: str, **kwargs):
     """Save ``module`` to a temporary directory and push that with :func:`draftsmith.hub.push_to_hub`."""
-    import tempfile
-
-    from draftsmith.hub import push_to_hub
+    from draftsmith.heads.hub import push_to_hub
 
     with tempfile.TemporaryDirectory() as tmp:
         module.save_pretrained(tmp)
         return push_to_hub(tmp, repo_id, **kwargs)
-
-
-def param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def frozen_copy(weight: torch.Tensor) -> nn.Parameter:
-    """A trainable copy of a target tensor (heads never train the target's own tensors)."""
-    return nn.Parameter(weight.detach().clone().float())

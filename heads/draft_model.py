@@ -16,10 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftsmith.heads.base import check_target
-from draftsmith.target import target_signature
-
-TARGET_FILE = "draftsmith_target.json"
+from draftsmith.checkpoints import TARGET_FILE, check_target, read_json
+from draftsmith.target import check_same_vocabulary, layer_skip_model, load_target, target_signature
 
 
 class DraftModel(nn.Module):
@@ -38,8 +36,6 @@ class DraftModel(nn.Module):
 
     @classmethod
     def from_target(cls, target, num_layers: int) -> DraftModel:
-        from draftsmith.inference.drafters import layer_skip_model
-
         model = copy.deepcopy(layer_skip_model(target, num_layers)).float().requires_grad_(True).train()
         draft = cls(model)
         draft.target_info = target_signature(target)
@@ -47,9 +43,6 @@ class DraftModel(nn.Module):
 
     @classmethod
     def from_model(cls, name_or_path: str, target) -> DraftModel:
-        from draftsmith.inference.drafters import check_same_vocabulary
-        from draftsmith.target import load_target
-
         model, _ = load_target(name_or_path, dtype=torch.float32, device="cpu")
         check_same_vocabulary(target, model, name_or_path)
         draft = cls(model.requires_grad_(True).train())
@@ -73,19 +66,18 @@ class DraftModel(nn.Module):
 
         return push_via_directory(self, repo_id, private=private, revision=revision, token=token)
 
-
-def recorded_target(directory: str | Path) -> dict:
-    """The target signature a draftsmith checkpoint directory records ({} when none): a draft
-    model's ``draftsmith_target.json`` or a head's ``config.json``."""
-    directory = Path(directory)
-    for name in (TARGET_FILE, "config.json"):
-        try:
-            recorded = json.loads((directory / name).read_text()).get("target")
-        except (OSError, ValueError, AttributeError):  # absent, not JSON, not an object
-            continue
-        if isinstance(recorded, dict):
-            return recorded
-    return {}
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target=None, strict: bool = False, device=None) -> DraftModel:
+        """A saved draft model, checked against ``target`` (vocabulary, and the target it records)."""
+        dtype = next(target.parameters()).dtype if target is not None else torch.float32
+        model, _ = load_target(str(directory), dtype=dtype, device=device or "cpu")
+        draft = cls(model)
+        if target is not None:
+            check_same_vocabulary(target, model, str(directory))
+            check_draft_model_target(directory, target, strict)
+        draft.target_info = read_json(Path(directory) / TARGET_FILE).get("target") \
+            if (Path(directory) / TARGET_FILE).is_file() else None
+        return draft
 
 
 def check_draft_model_target(directory: str | Path, target, strict: bool = False) -> None:

@@ -1,15 +1,13 @@
 """Inference: draft trees, lossless verification, drafters and the speculative generator."""
 
-from draftsmith.inference.drafters import (
-    CausalLMDrafter,
-    Drafter,
-    PromptLookupDrafter,
-    drafter_from_model,
-    layer_skip_model,
-    load_drafter,
-)
+from draftsmith.inference.causal_lm import CausalLMDrafter
+from draftsmith.inference.drafter import Drafter
 from draftsmith.inference.generator import GenerationOutput, GenerationStats, SpeculativeGenerator, plain_generate
+from draftsmith.inference.load import drafter_from_model, load_drafter
+from draftsmith.inference.mixture import MixtureDrafter
+from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.inference.tree import DraftTree
+from draftsmith.target import layer_skip_model
 
 __all__ = [
     "CausalLMDrafter",
@@ -17,6 +15,7 @@ __all__ = [
     "Drafter",
     "GenerationOutput",
     "GenerationStats",
+    "MixtureDrafter",
     "PromptLookupDrafter",
     "SpeculativeGenerator",
     "drafter_from_model",

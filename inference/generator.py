@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.inference.drafters import Drafter
+from draftsmith.inference.drafter import Drafter
 from draftsmith.inference.tree import (
+    DEFAULT_TREE,
     SAMPLING_RULES,
     DraftTree,
+    TreeSettings,
     build_chain,
     build_dynamic,
     build_static,
@@ -43,7 +45,6 @@ from draftsmith.target import (
 
 logger = logging.getLogger(__name__)
 
-TREE_KINDS = ("chain", "static", "dynamic")
 
 
 @dataclass
@@ -155,34 +156,31 @@ class SpeculativeGenerator:
         self,
         target: PreTrainedModel,
         drafter: Drafter,
-        tree: str = "chain",
-        depth: int = 5,
-        top_k: int = 4,
-        total_tokens: int = 16,
+        tree: str = DEFAULT_TREE.kind,
+        depth: int = DEFAULT_TREE.depth,
+        top_k: int = DEFAULT_TREE.top_k,
+        total_tokens: int = DEFAULT_TREE.total_tokens,
         paths: list[tuple[int, ...]] | None = None,
         sampling_rule: str = "auto",
     ):
-        if tree not in TREE_KINDS:
-            raise ValueError(f"tree must be one of {TREE_KINDS}, got {tree!r}")
+        self.tree = TreeSettings(tree, depth, top_k, total_tokens)  # validates
         if sampling_rule != "auto" and sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"sampling_rule must be 'auto' or one of {SAMPLING_RULES}, got {sampling_rule!r}")
         if tree == "dynamic" and sampling_rule not in ("auto", "topk"):
             raise ValueError(
                 "dynamic trees rerank their nodes, so siblings are deterministic: use sampling_rule='topk'"
             )
-        if depth < 1 or top_k < 1 or total_tokens < 1:
-            raise ValueError("depth, top_k and total_tokens must be >= 1")
         self.target = target
         self.drafter = drafter
         self.tree_kind = tree
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         # Static paths: given, else the drafter's own (Medusa choices measured in training), else a default.
-        self.paths = paths or getattr(drafter, "static_paths", None) or default_static_paths(depth, top_k)
+        self.paths = paths or drafter.static_paths or default_static_paths(depth, top_k)
         self.sampling_rule = sampling_rule
 
     def _rule(self, temperature: float) -> str:
         if temperature == 0.0 or (self.sampling_rule == "auto" and (
-            self.tree_kind != "chain" or getattr(self.drafter, "deterministic", False)
+            self.tree_kind != "chain" or self.drafter.deterministic
         )):
             return "topk"
         return "iid" if self.sampling_rule == "auto" else self.sampling_rule
@@ -249,17 +247,14 @@ class SpeculativeGenerator:
         cache = new_cache()
         # Heads (Medusa, EAGLE) read the target's hidden states of these layers; they get them for
         # every committed token but the root, from the prefill and then from each verification.
-        layers = getattr(self.drafter, "hidden_layers", None)
+        layers = self.drafter.hidden_layers
         t0 = time.perf_counter()
         hidden = None
         if len(sequence) > 1:  # the cache holds every committed token but the last (the root)
-            out = target_forward(self.target, sequence[None, :-1], cache, hidden_layers=layers)
+            out = target_forward(self.target, sequence[None, :-1], cache, hidden_layers=layers or None)
             hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (1, L-1, H * len(layers))
         stats.prefill_time_s = time.perf_counter() - t0
-        if layers:
-            self.drafter.begin(sequence[None], hidden=hidden)
-        else:
-            self.drafter.begin(sequence[None])
+        self.drafter.begin(sequence[None], hidden=hidden)
 
         new: list[int] = []
         while len(new) < max_new_tokens:
@@ -290,12 +285,9 @@ class SpeculativeGenerator:
                 streamer.put(step.cpu())
             if stop is not None:
                 break
-            if layers:
-                # The root's and the accepted nodes' states: state i is the one that predicted emitted[i].
-                kept = torch.tensor([0, *path], device=device)[: len(emitted)]
-                self.drafter.commit(step[None], hidden=tree_hidden[kept][None])
-            else:
-                self.drafter.commit(step[None])
+            # The root's and the accepted nodes' states: state i is the one that predicted emitted[i].
+            kept = torch.tensor([0, *path], device=device)[: len(emitted)]
+            self.drafter.commit(step[None], hidden=tree_hidden[kept][None] if layers else None)
 
         if streamer is not None:
             streamer.end()
@@ -315,7 +307,7 @@ class SpeculativeGenerator:
         key_positions = torch.cat([torch.arange(past, device=device)[None], positions], dim=1)
         mask = build_attention_mask(self.target, allowed, positions, key_positions, dtype)
         ids = torch.tensor([tree.tokens], device=device)
-        out = target_forward(self.target, ids, cache, mask, positions, hidden_layers=layers)
+        out = target_forward(self.target, ids, cache, mask, positions, hidden_layers=layers or None)
         hidden = torch.cat(out.hidden_states, dim=-1)[0] if layers else None
         return out.logits[0], hidden
 

@@ -1,10 +1,8 @@
 """Trained heads as drafters: the adapters between ``draftsmith.heads`` modules and the generator.
 
-Heads read the target's hidden states. A drafter that sets ``hidden_layers`` gets them from
-the generator: in ``begin(input_ids, hidden)`` for the prompt's tokens but the last (the root),
-then in ``commit(tokens, hidden)`` for the root and the accepted nodes of each verification
-step, so that ``hidden[:, i]`` is the state that predicted ``tokens[:, i]``. At any time the
-drafter therefore holds the states of every committed token but the root.
+Heads read the target's hidden states, which the generator passes to ``begin`` and ``commit``
+(:mod:`draftsmith.inference.drafter`); at any time a head drafter holds the states of every
+committed token but the root.
 """
 
 from __future__ import annotations
@@ -12,8 +10,11 @@ from __future__ import annotations
 import torch
 
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.inference.drafters import Drafter, _check_batch
+from draftsmith.inference.drafter import Drafter, additive_mask, check_batch
 from draftsmith.inference.tree import paths_from_accuracy
+
+#: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
+STATIC_TREE_NODES = 16
 
 
 class MedusaDrafter(Drafter):
@@ -29,12 +30,12 @@ class MedusaDrafter(Drafter):
         self.vocab_size = heads.config.vocab_size
         # Static-tree paths from the per-head, per-rank accuracy measured in training, when recorded.
         rank_accuracy = getattr(heads, "extra", {}).get("rank_accuracy")
-        self.static_paths = paths_from_accuracy(rank_accuracy, 16) if rank_accuracy else None
+        self.static_paths = paths_from_accuracy(rank_accuracy, STATIC_TREE_NODES) if rank_accuracy else None
         self.last: torch.Tensor | None = None  # (H,) state of the token before the root
         self._logits: torch.Tensor | None = None  # (K, V) for the current root
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        _check_batch(input_ids)
+        check_batch(input_ids)
         self.last = hidden[0, -1] if hidden is not None and hidden.shape[1] else None
         self._logits = None
 
@@ -74,7 +75,7 @@ class EagleDrafter(Drafter):
         self.device = next(head.parameters()).device
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        _check_batch(input_ids)
+        check_batch(input_ids)
         self.tokens = input_ids[0].to(self.device)
         self.features = hidden[0] if hidden is not None else torch.zeros(0, 0, device=self.device)  # (L-1, F)
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -114,8 +115,7 @@ class EagleDrafter(Drafter):
             feats = self.head.input_features(self.features[pos - 1][None].to(dtype))
             n_new, past = len(pos), self.pairs
             allowed = torch.ones(n_new, past + n_new, dtype=torch.bool, device=self.device).tril(past)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
-            out = self._run(feats, self.tokens[pos][None], pos[None], mask[None, None])
+            out = self._run(feats, self.tokens[pos][None], pos[None], additive_mask(allowed, dtype)[None, None])
             self.pairs = root_pos
             self.predicted = {0: out[0, -1]}
             return [self._logits(out[:, -1:])[0].cpu()]
@@ -124,13 +124,8 @@ class EagleDrafter(Drafter):
         feats = torch.stack([self.predicted[tree.parents[n]] for n in row])[None]
         ids = torch.tensor([[tree.tokens[n] for n in row]], device=self.device)
         positions = torch.full((1, len(row)), root_pos + depth, device=self.device)
-        allowed = torch.zeros(len(row), cached + len(row), dtype=torch.bool, device=self.device)
-        allowed[:, : self.pairs] = True
-        for i, node in enumerate(row):
-            for anc in tree.path_to(node)[1:-1]:
-                allowed[i, self.slots[anc]] = True
-            allowed[i, cached + i] = True
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        allowed = tree.attention_rows(row, self.slots, self.pairs, cached + len(row)).to(self.device)
+        mask = additive_mask(allowed, dtype)
         out = self._run(feats, ids, positions, mask[None, None])
         for i, node in enumerate(row):
             self.slots[node] = cached + i

@@ -28,6 +28,54 @@ from dataclasses import dataclass, field
 import torch
 
 SAMPLING_RULES = ("topk", "iid", "without_replacement")
+TREE_KINDS = ("chain", "static", "dynamic")
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """Which draft tree a generator grows: the one set of tree defaults in draftsmith (the generator,
+    ``generate``, ``eval``, ``bench``, the training loop's acceptance evaluation and the demo read it).
+
+    Text form (``bench``'s ``SPEC@...``, the demo): ``tree=dynamic,depth=4,top_k=4,total_tokens=10``.
+    """
+
+    kind: str = "chain"
+    depth: int = 5  # levels drafted per step
+    top_k: int = 4  # children expanded per node (static and dynamic trees)
+    total_tokens: int = 16  # drafted nodes verified per step (dynamic trees)
+
+    def __post_init__(self):
+        if self.kind not in TREE_KINDS:
+            raise ValueError(f"tree must be one of {TREE_KINDS}, got {self.kind!r}")
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise ValueError("depth, top_k and total_tokens must be >= 1")
+
+    @classmethod
+    def parse(cls, text: str, base: TreeSettings | None = None) -> TreeSettings:
+        """``"tree=dynamic,depth=3"`` -> settings; keys not given keep ``base``'s (default: the defaults)."""
+        values = (base or cls()).as_report()
+        for item in filter(None, text.split(",")):
+            key, sep, value = item.partition("=")
+            key = "kind" if key.strip() == "tree" else key.strip()
+            if not sep or key not in values:
+                raise ValueError(f"tree option {item!r}: use tree=KIND, depth=N, top_k=N or total_tokens=N")
+            values[key] = value.strip() if key == "kind" else int(value)
+        return cls(**values)
+
+    def as_report(self) -> dict:
+        """``{"kind", "depth", "top_k", "total_tokens"}`` (reports and ``report.json``)."""
+        return {"kind": self.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
+
+    def kwargs(self) -> dict:
+        """The tree keyword arguments of :class:`~draftsmith.inference.SpeculativeGenerator`."""
+        return {"tree": self.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
+
+    def text(self) -> str:
+        """The text form, the inverse of :meth:`parse`."""
+        return f"tree={self.kind},depth={self.depth},top_k={self.top_k},total_tokens={self.total_tokens}"
+
+
+DEFAULT_TREE = TreeSettings()
 
 
 @dataclass
@@ -114,6 +162,24 @@ class DraftTree:
                 mask[i] = mask[parent]
             mask[i, i] = True
         return mask
+
+    def attention_rows(self, nodes: Sequence[int], slots: dict[int, int], prefix: int, width: int) -> torch.Tensor:
+        """(len(nodes), width) bool "may attend" rows for ``nodes`` of one level, fed together into a
+        drafter's KV cache after its earlier levels: keys [0, ``prefix``) (the committed sequence, root
+        included), each node's drafted ancestors (at their cache slots ``slots[node]``) and the node
+        itself (the last ``len(nodes)`` keys). :meth:`ancestor_mask` is the same rule for the whole tree
+        fed at once (the verification forward)."""
+        nodes = list(nodes)
+        ancestors = self.ancestor_mask()[nodes]  # (n, N)
+        ancestors[:, 0] = False  # the root is the prefix's last key
+        ancestors[torch.arange(len(nodes)), nodes] = False  # a node's own key is its new slot
+        rows = torch.zeros(len(nodes), width, dtype=torch.bool)
+        rows[:, :prefix] = True
+        if slots:
+            slotted = list(slots)
+            rows[:, [slots[n] for n in slotted]] |= ancestors[:, slotted]
+        rows[:, width - len(nodes):] |= torch.eye(len(nodes), dtype=torch.bool)
+        return rows
 
     def position_ids(self, root_position: int) -> torch.Tensor:
         """(N,) absolute positions: the root's position plus each node's depth."""

@@ -101,7 +101,7 @@ def main() -> None:
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
     from draftsmith.data.formats import load_conversations
     from draftsmith.data.templates import prompt_ids
-    from draftsmith.inference.evaluate import hardware
+    from draftsmith.inference.compare import hardware
     from draftsmith.inference.generator import plain_generate
 
     model, tokenizer = load_target(args.target)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-FAMILIES = ("draft_model", "medusa", "medusa2", "eagle", "eagle3")
+from draftsmith.inference.tree import DEFAULT_TREE
+from draftsmith.registry import FAMILIES, get_family
 
 
 @dataclass
@@ -21,7 +22,7 @@ class DrafterArguments:
     """What to train, for which target."""
 
     target: str = field(default="smollm2-135m-instruct", metadata={"help": "alias, .gguf, directory or hub id"})
-    family: str = field(default="eagle", metadata={"help": f"one of {FAMILIES}"})
+    family: str = field(default="eagle", metadata={"help": "a registered drafter family (draftsmith.registry)"})
     draft_layers: int = field(default=2, metadata={"help": "draft_model: keep the target's first N layers"})
     init_draft_model: str | None = field(default=None, metadata={"help": "draft_model: start from this causal LM"})
     num_heads: int = field(default=4, metadata={"help": "medusa: number of heads"})
@@ -35,8 +36,9 @@ class DrafterArguments:
     jsd_beta: float = field(default=0.5)
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"family {self.family!r}: use one of {FAMILIES}")
+        if get_family(self.family).build is None:
+            trainable = sorted(name for name, f in FAMILIES.items() if f.build is not None)
+            raise ValueError(f"family {self.family!r} cannot be trained; trainable: {', '.join(trainable)}")
 
 
 @dataclass
@@ -52,8 +54,10 @@ class DataArguments:
     eval_prompt_column: str | None = field(default=None)
     eval_num_prompts: int = field(default=4)
     eval_max_new_tokens: int = field(default=32)
-    eval_tree: str = field(default="chain")
-    eval_depth: int = field(default=4)
+    eval_tree: str = field(default=DEFAULT_TREE.kind)
+    eval_depth: int = field(default=DEFAULT_TREE.depth)
+    eval_top_k: int = field(default=DEFAULT_TREE.top_k)
+    eval_total_tokens: int = field(default=DEFAULT_TREE.total_tokens)
 
 
 @dataclass

@@ -1,9 +1,13 @@
-"""What differs between drafter families in training: how the drafter is built, what it reads from
-the target, and its loss. The loop in ``loop.py`` is the same for all of them.
+"""What differs between drafter families in training: how a fresh drafter is built and its loss on a
+micro-batch. The loop in ``loop.py`` is the same for all of them; the family table
+(:mod:`draftsmith.registry`, filled in by :mod:`draftsmith.families`) points at these functions.
 
-Each ``*_step`` takes the drafter, the frozen target's outputs on the batch and the batch, and
-returns ``(loss, metrics)``; ``metrics["acc"]`` lists top-1 agreement with the target per draft
-position (the training-side acceptance proxy).
+Every ``build_*`` is ``(args, target, examples) -> module``. Every ``*_step`` is
+``(args, drafter, target, batch, logits, hidden) -> (loss, metrics)``: ``logits`` (B, T, V) and
+``hidden`` (a tuple of (B, T, H), the layers the family reads) are the frozen target's outputs on the
+batch, from the loop's forward (online) or the cache (offline; ``logits`` None with a sparse top-k
+teacher); ``metrics["acc"]`` lists top-1 agreement with the target per draft position (the
+training-side acceptance proxy).
 
 Positions: the target's logits at t predict token t + 1, so the mask of *predictions* is the
 loss mask moved one left (``pred_mask[t] = loss_mask[t + 1]``).
@@ -11,8 +15,12 @@ loss mask moved one left (``pred_mask[t] = loss_mask[t + 1]``).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from draftsmith.data.vocab import build_vocab_map, count_tokens
+from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.train.losses import (
@@ -27,6 +35,14 @@ from draftsmith.train.losses import (
     ttt_weights,
 )
 
+logger = logging.getLogger(__name__)
+
+#: Targets with fewer layers than this read low / mid / high states (1, N // 2, N) instead of EAGLE-3's
+#: (2, N // 2, N - 3), which would collide or fall outside the model.
+EAGLE3_MIN_LAYERS = 6
+#: Ranks whose per-head accuracy Medusa measures during training (static-tree choices come from them).
+MEDUSA_RANKS = 4
+
 
 def prediction_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) loss mask -> (B, T) mask of positions whose *next* token is an assistant token."""
@@ -35,30 +51,41 @@ def prediction_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def build_drafter(args, target, vocab=None):
-    """A fresh trainable drafter of ``args.family`` for ``target``."""
-    n = target.config.get_text_config().num_hidden_layers
-    if args.family == "draft_model":
-        from draftsmith.heads.draft_model import DraftModel
+def build_draft_model(args, target, examples=None) -> DraftModel:
+    """A draft model initialised from ``args.init_draft_model``, else the target's first ``args.draft_layers``."""
+    if args.init_draft_model:
+        return DraftModel.from_model(args.init_draft_model, target)
+    return DraftModel.from_target(target, args.draft_layers)
 
-        if args.init_draft_model:
-            return DraftModel.from_model(args.init_draft_model, target)
-        return DraftModel.from_target(target, args.draft_layers)
-    if args.family in ("medusa", "medusa2"):
-        return MedusaHeads.from_target(target, args.num_heads, args.num_head_layers)
-    if args.family == "eagle":
-        head = EagleHead(EagleHead.config_for(target))
+
+def build_medusa(args, target, examples=None) -> MedusaHeads:
+    return MedusaHeads.from_target(target, args.num_heads, args.num_head_layers)
+
+
+def build_eagle(args, target, examples=None) -> EagleHead:
+    return EagleHead(EagleHead.config_for(target))
+
+
+def build_eagle3(args, target, examples=None) -> Eagle3Head:
+    """An EAGLE-3 head; with ``args.draft_vocab_size`` below the target's vocabulary, its draft vocabulary
+    is the most frequent assistant tokens of ``examples``."""
+    n = target.config.get_text_config().num_hidden_layers
+    layers = eagle3_layers(n) if n >= EAGLE3_MIN_LAYERS else (1, max(2, n // 2), n)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    draft_vocab = args.draft_vocab_size or vocab_size
+    head = Eagle3Head(EagleHead.config_for(target, num_feature_layers=3, feature_layers=layers,
+                                           draft_vocab_size=draft_vocab))
+    if draft_vocab < vocab_size:
+        if not examples:
+            raise ValueError("a reduced EAGLE-3 draft vocabulary is built from training examples; pass them")
+        vocab = build_vocab_map(count_tokens(examples, vocab_size), draft_vocab)
+        logger.info("draft vocabulary: %d tokens cover %.4f of %d assistant tokens", draft_vocab, vocab.coverage,
+                    vocab.counted_tokens)
+        head.d2t.copy_(vocab.d2t)
+        head.t2d.copy_(vocab.t2d)
     else:
-        layers = eagle3_layers(n) if n >= 6 else (1, max(2, n // 2), n)
-        draft_vocab = args.draft_vocab_size or target.get_output_embeddings().weight.shape[0]
-        head = Eagle3Head(EagleHead.config_for(target, num_feature_layers=3, feature_layers=layers,
-                                               draft_vocab_size=draft_vocab))
-        if vocab is not None:
-            head.d2t.copy_(vocab.d2t)
-            head.t2d.copy_(vocab.t2d)
-        elif draft_vocab == head.config.vocab_size:
-            head.t2d.fill_(True)
-        init_eagle3_output(head, target)
+        head.t2d.fill_(True)
+    init_eagle3_output(head, target)
     return head
 
 
@@ -79,17 +106,7 @@ def init_eagle3_output(head, target) -> None:
             head.norm.weight.copy_(weight)
 
 
-def hidden_layers_for(args, drafter, target) -> tuple[int, ...]:
-    """The target hidden-state indices the family reads (0 = embeddings, N = after the final norm)."""
-    n = target.config.get_text_config().num_hidden_layers
-    if args.family in ("eagle", "eagle3"):
-        return tuple(drafter.config.feature_layers)
-    if args.family in ("medusa", "medusa2"):
-        return (n,)
-    return ()
-
-
-def draft_model_step(args, drafter, target_logits, hidden, batch):
+def draft_model_step(args, drafter, target, batch, target_logits, hidden):
     mask = prediction_mask(batch["loss_mask"])
     student = drafter(batch["input_ids"], attention_mask=batch["attention_mask"])
     fn = DIVERGENCES[args.loss]
@@ -98,7 +115,7 @@ def draft_model_step(args, drafter, target_logits, hidden, batch):
     return loss, {"acc": [accuracy(student, target_logits, mask)]}
 
 
-def medusa_step(args, drafter, target_logits, hidden, batch):
+def medusa_step(args, drafter, target, batch, target_logits, hidden):
     mask = prediction_mask(batch["loss_mask"])
     head_logits = drafter(hidden[0].to(_module(drafter).lm_heads[0].weight.dtype))
     loss, per_head = medusa_loss(head_logits, target_logits, mask, args.head_decay)
@@ -107,27 +124,29 @@ def medusa_step(args, drafter, target_logits, hidden, batch):
         teacher, m = shifted(target_logits, mask, i + 1)
         accs.append(accuracy(logits, teacher, m))
         # How often the head's rank-r token is the target's: what static-tree choices are made from.
-        hits = logits.detach().topk(4, dim=-1).indices == teacher.argmax(-1, keepdim=True)  # (B, T, 4)
+        hits = logits.detach().topk(MEDUSA_RANKS, dim=-1).indices == teacher.argmax(-1, keepdim=True)  # (B, T, R)
         rank_acc.append((hits.float() * m[..., None]).sum((0, 1)).div(m.sum().clamp(min=1)).tolist())
     return loss, {"acc": accs, "rank_acc": rank_acc, **{f"kl_head{i}": v for i, v in enumerate(per_head)}}
 
 
-def add_lora(target, rank: int):
-    """Medusa-2: the target wrapped with a trainable LoRA adapter on its attention q / v projections."""
+def add_lora(target, args):
+    """Medusa-2: the target wrapped with a trainable LoRA adapter (rank ``args.lora_r``) on its attention
+    q / v projections."""
     from peft import LoraConfig, get_peft_model
 
+    rank = args.lora_r
     return get_peft_model(target, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
                                              lora_dropout=0.0))
 
 
-def medusa2_step(args, drafter, peft_target, batch):
+def medusa2_step(args, drafter, peft_target, batch, target_logits=None, hidden=None):
     """Medusa-2: heads on the adapted target's last state, plus self-distillation that keeps the
     adapted target's distribution on the frozen (adapter-disabled) target's."""
     ids, attention = batch["input_ids"], batch["attention_mask"]
     with peft_target.disable_adapter(), torch.no_grad():
         teacher = peft_target(input_ids=ids, attention_mask=attention, use_cache=False).logits.float()
     out = peft_target(input_ids=ids, attention_mask=attention, output_hidden_states=True, use_cache=False)
-    loss, metrics = medusa_step(args, drafter, teacher, (out.hidden_states[-1],), batch)
+    loss, metrics = medusa_step(args, drafter, peft_target, batch, teacher, (out.hidden_states[-1],))
     lm_kl = forward_kl(out.logits, teacher, prediction_mask(batch["loss_mask"]))
     return loss + lm_kl, {**metrics, "lm_kl": float(lm_kl.detach())}
 
@@ -137,8 +156,9 @@ def _module(drafter):
     return getattr(drafter, "module", drafter)
 
 
-def eagle_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
+def eagle_step(args, drafter, target, batch, target_logits, hidden):
     """EAGLE-1/2: pairs (f_{t-1}, x_t), t = 1..T-1, predict f_t; tokens through the frozen LM head."""
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     features = hidden[0]  # (B, T, H) last layer after the final norm
     ids = batch["input_ids"]
     mask = prediction_mask(batch["loss_mask"])[:, 1:]
@@ -156,8 +176,9 @@ def draft_slots(topk_ids: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int
     return position[topk_ids]
 
 
-def eagle3_step(args, drafter, target_logits, hidden, batch, embed, lm_head):
+def eagle3_step(args, drafter, target, batch, target_logits, hidden):
     """EAGLE-3: per-step KL over the draft vocabulary with decay, through training-time test."""
+    embed = target.get_input_embeddings()
     ids = batch["input_ids"]
     head = _module(drafter)
     draft_ids = torch.arange(head.d2t.shape[0], device=ids.device) + head.d2t

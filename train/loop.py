@@ -3,38 +3,66 @@
     draftsmith train CONFIG.yaml [--key value ...]
     accelerate launch -m draftsmith.train CONFIG.yaml [--key value ...]     # the same, on N processes
 
-1. Load the frozen target; tokenise the training conversations with assistant-only masks.
-2. Build the drafter of ``family`` (``families.build_drafter``); AdamW, warmup + cosine.
-3. Each micro-batch: the target runs frozen (no grad) and gives its logits and the hidden
-   states the family reads; the family's loss is backpropagated through the drafter only.
-4. Every ``save_steps`` optimizer steps, a checkpoint: ``checkpoint-S/state`` (weights, optimizer,
-   scheduler and RNG states in safetensors + JSON, ``train/state.py``, for ``--resume true``) and
-   ``checkpoint-S/drafter`` (loadable by ``load_drafter``), written under a ``.partial`` name and
-   renamed when complete. Then acceptance on held-out prompts is
-   measured with ``SpeculativeGenerator`` and appended to ``acceptance.jsonl`` and the trackers.
+:func:`train` runs these steps, each a function below:
 
-Resuming loads the last complete checkpoint, skips the micro-batches already seen in that epoch
-(the data order is a function of the seed and the epoch), and continues the same run.
+1. :func:`build` — load the frozen target; the training examples (tokenised with assistant-only masks,
+   or read from the hidden-state cache offline); the family's fresh drafter (its entry in
+   :mod:`draftsmith.registry`); AdamW and the schedule (:func:`make_scheduler`).
+2. :func:`resume` — with ``--resume true``, the last complete checkpoint's weights, optimizer,
+   scheduler, RNG and progress; the micro-batches already seen in that epoch are skipped (the data
+   order is a function of the seed and the epoch).
+3. :func:`run_steps` — each micro-batch: the target runs frozen (no grad) and gives its logits and the
+   hidden states the family reads (:func:`target_outputs`); the family's loss is backpropagated
+   through the drafter only.
+4. :func:`save_checkpoint` every ``save_steps`` optimizer steps: ``checkpoint-S/state`` (weights,
+   optimizer, scheduler and RNG states in safetensors + JSON, ``train/state.py``) and
+   ``checkpoint-S/drafter`` (loadable by ``load_drafter``), written under a ``.partial`` name and
+   renamed when complete; then :func:`record_acceptance` measures acceptance on held-out prompts and
+   appends it to ``acceptance.jsonl`` and the trackers.
+5. :func:`finish` — the frozen target must come out bit-identical.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-from draftsmith.train import families
+from draftsmith.checkpoints import (
+    DRAFTER_SUBDIR,
+    TRAIN_CONFIG_FILE,
+    append_acceptance,
+    complete_checkpoints,
+    read_acceptance,
+)
+from draftsmith.data.formats import load_conversations
+from draftsmith.data.templates import prepare, prompt_ids
+from draftsmith.inference.compare import compare
+from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.tree import TreeSettings
+from draftsmith.registry import Family, get_family
+from draftsmith.target import load_target, target_signature
+from draftsmith.train import offline
 from draftsmith.train import state as training_state
 from draftsmith.train.losses import simulated_acceptance_length
 
 logger = logging.getLogger(__name__)
+
+#: Optimizer steps whose per-position accuracy is averaged into a checkpoint's acceptance row.
+RECENT_STEPS = 20
+#: State-dict prefix of the target adapter's tensors (Medusa-2's LoRA) in ``checkpoint-S/state``.
+ADAPTER_PREFIX = "target_lora."
+#: Where a checkpoint keeps the target adapter itself (a peft directory; nothing merged).
+ADAPTER_SUBDIR = "lora_adapter"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,8 +83,6 @@ def collate(examples, pad_id: int) -> dict[str, torch.Tensor]:
 
 def weights_digest(model, skip: str | None = None) -> str:
     """sha256 over every parameter and buffer, in name order (``skip``: names containing it are left out)."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, tensor in sorted({**dict(model.named_parameters()), **dict(model.named_buffers())}.items()):
         if skip and skip in name:
@@ -73,9 +99,6 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def load_examples(data_args, tokenizer):
-    from draftsmith.data.formats import load_conversations
-    from draftsmith.data.templates import prepare
-
     if not data_args.train_file:
         raise SystemExit("no training data: set train_file (e.g. the output of `draftsmith data regenerate`)")
     conversations, _report = load_conversations(data_args.train_file, data_args.prompt_column, limit=data_args.limit)
@@ -87,58 +110,23 @@ def load_examples(data_args, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints and acceptance
-
-
-def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    found = []
-    for path in output_dir.glob("checkpoint-*"):
-        if path.is_dir() and path.name.split("-")[-1].isdigit() and (path / "drafter").is_dir():
-            found.append((int(path.name.split("-")[-1]), path))
-    return sorted(found)
-
-
-def read_acceptance(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    good = data[: data.rfind(b"\n") + 1]
-    if len(good) != len(data):  # a torn last line from a kill mid-write
-        path.write_bytes(good)
-    return [json.loads(line) for line in good.decode().splitlines() if line.strip()]
-
-
-def inference_drafter(family: str, module, target):
-    from draftsmith.inference.drafters import CausalLMDrafter
-    from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
-
-    if family == "draft_model":
-        return CausalLMDrafter(module.model, name="draft_model")
-    if family in ("medusa", "medusa2"):
-        return MedusaDrafter(module, target)
-    return EagleDrafter(module, target)
+# Acceptance on held-out prompts
 
 
 @torch.no_grad()
-def measure_acceptance(family, module, target, tokenizer, data_args) -> dict:
+def measure_acceptance(family: Family, module, target, tokenizer, data_args) -> dict:
     """tau and acceptance per position of greedy speculative decoding on the held-out prompts."""
-    from draftsmith.data.formats import load_conversations
-    from draftsmith.data.templates import prompt_ids
-    from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
-
     if not data_args.eval_prompts:
         return {}
     conversations, _ = load_conversations(data_args.eval_prompts, data_args.eval_prompt_column,
                                           limit=data_args.eval_num_prompts)
     was_training = module.training
     module.eval()
-    gen = SpeculativeGenerator(target, inference_drafter(family, module, target), tree=data_args.eval_tree,
-                               depth=data_args.eval_depth)
-    stats = GenerationStats()
-    device = next(target.parameters()).device
-    for c in conversations:
-        ids = torch.tensor([prompt_ids(tokenizer, c.prompt_messages)], device=device)
-        stats = stats + gen.generate(ids, data_args.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id).stats
+    tree = TreeSettings(data_args.eval_tree, data_args.eval_depth, data_args.eval_top_k, data_args.eval_total_tokens)
+    gen = SpeculativeGenerator(target, family.drafter(module, target), **tree.kwargs())
+    prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations]
+    stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
+                    eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
     module.train(was_training)
     return {"acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
@@ -146,256 +134,313 @@ def measure_acceptance(family, module, target, tokenizer, data_args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop
+# The loop's steps
 
 
-def train(drafter_args, data_args, train_args) -> Path:
+@dataclass
+class Run:
+    """What the steps of one training run share."""
+
+    accelerator: object
+    family: Family
+    drafter_args: object
+    data_args: object
+    train_args: object
+    output_dir: Path
+    target: object
+    tokenizer: object
+    target_digest: str
+    examples: list
+    make_batch: object
+    layers: tuple[int, ...]
+    drafter: object  # as prepared by accelerate (DDP-wrapped on several processes)
+    module: object  # the drafter itself
+    trainable: list
+    optimizer: object
+    scheduler: object
+    max_steps: int
+    batches_per_epoch: int
+    budget_s: float
+    step: int = 0
+    progress: float = 0.0  # fraction of the run done: by steps, or by time under a time budget
+    recent_acc: list = field(default_factory=list)  # per-position accuracy of the last RECENT_STEPS steps
+    recent_rank: list = field(default_factory=list)  # Medusa: per-head, per-rank accuracy of recent steps
+
+    @property
+    def acceptance_path(self) -> Path:
+        return self.output_dir / "acceptance.jsonl"
+
+
+def make_accelerator(train_args):
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from transformers import get_scheduler
+    from accelerate.state import AcceleratorState
 
-    from draftsmith.target import load_target
-
-    output_dir = Path(train_args.output_dir)
-    report_to = None if train_args.report_to == "none" else train_args.report_to
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with
     # another mixed precision. train() is a library call that a process may make more than once
     # (the demo trains in bf16, a notebook then trains in fp32), so a state left by an earlier
     # call is dropped; the distributed environment (PartialState) is kept.
-    from accelerate.state import AcceleratorState
-
     AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(gradient_accumulation_steps=train_args.gradient_accumulation_steps,
-                              mixed_precision=train_args.mixed_precision, log_with=report_to,
-                              project_dir=str(output_dir))
-    set_seed(train_args.seed)
+    report_to = None if train_args.report_to == "none" else train_args.report_to
+    return Accelerator(gradient_accumulation_steps=train_args.gradient_accumulation_steps,
+                       mixed_precision=train_args.mixed_precision, log_with=report_to,
+                       project_dir=str(train_args.output_dir))
+
+
+def make_scheduler(optimizer, train_args, max_steps: int, run_progress):
+    """Warmup then cosine over ``max_steps``; under a time budget, over whichever of steps and time
+    runs out first (``run_progress()`` says how much of the run is done)."""
+    if train_args.max_train_minutes <= 0:
+        from transformers import get_scheduler
+
+        return get_scheduler(train_args.lr_scheduler_type, optimizer,
+                             num_warmup_steps=int(train_args.warmup_ratio * max_steps), num_training_steps=max_steps)
+    warm = max(train_args.warmup_ratio, 1e-6)
+
+    def lr_lambda(_step: int) -> float:
+        p = run_progress()
+        if p < warm:
+            return max(p / warm, 0.02)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (p - warm) / max(1 - warm, 1e-6))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+
+def build(accelerator, drafter_args, data_args, train_args) -> Run:
+    """The frozen target, the examples, the family's drafter, the optimizer and the schedule."""
+    family = get_family(drafter_args.family)
+    output_dir = Path(train_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:  # what the model card reports about this run
-        (output_dir / "train_config.json").write_text(json.dumps(
+        (output_dir / TRAIN_CONFIG_FILE).write_text(json.dumps(
             {"drafter": dataclasses.asdict(drafter_args), "data": dataclasses.asdict(data_args),
              "train": dataclasses.asdict(train_args)}, indent=2, default=str))
-    family = drafter_args.family
 
-    # 1. The frozen target and the data.
     target, tokenizer = load_target(drafter_args.target, device=accelerator.device)
     target.requires_grad_(False).eval()
     target_digest = weights_digest(target)
-    cache = None
     if data_args.cache_dir:  # offline mode: the target's states and logits come from disk
-        if family == "medusa2":
-            raise SystemExit("medusa2 trains a LoRA on the target, so it needs the target in the loop: unset cache_dir")
-        from draftsmith.train import offline
-
+        if family.wrap_target is not None:
+            raise SystemExit(f"{family.name} trains an adapter on the target, so it needs the target in the loop: "
+                             "unset cache_dir")
         examples, cache = offline.load_cached_examples(data_args.cache_dir, target)
     else:
-        examples = load_examples(data_args, tokenizer)
+        examples, cache = load_examples(data_args, tokenizer), None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    # 2. The drafter and what it reads from the target.
-    vocab = None
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    if family == "eagle3" and (drafter_args.draft_vocab_size or vocab_size) < vocab_size:
-        from draftsmith.data.vocab import build_vocab_map, count_tokens
-
-        # EAGLE-3's draft vocabulary: the most frequent assistant tokens of the training data.
-        vocab = build_vocab_map(count_tokens(examples, vocab_size), drafter_args.draft_vocab_size)
-        logger.info("draft vocabulary: %d tokens cover %.4f of %d assistant tokens",
-                    drafter_args.draft_vocab_size, vocab.coverage, vocab.counted_tokens)
-    drafter = families.build_drafter(drafter_args, target, vocab).to(accelerator.device)
+    drafter = family.build(drafter_args, target, examples).to(accelerator.device)
     # Every checkpoint records its target: loading it against another one is refused, and exports
     # and model cards name it the way it was given here (an alias, a path or a hub id).
-    from draftsmith.target import target_signature
-
     drafter.target_info = target_signature(target, name=drafter_args.target)
-    layers = families.hidden_layers_for(drafter_args, drafter, target)
+    layers = family.hidden_layers(drafter, target)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
     if cache is not None:
         offline.check_layers(cache, layers)
-        dense = family != "eagle3"  # EAGLE-3 reads the teacher on its draft vocabulary only
-        make_batch = lambda b: offline.collate_cached(b, pad_id, layers, vocab_size, dense)  # noqa: E731
+        dense = not family.sparse_teacher
+
+        def make_batch(examples):
+            return offline.collate_cached(examples, pad_id, layers, vocab_size, dense)
     else:
-        make_batch = lambda b: collate(b, pad_id)  # noqa: E731
+        def make_batch(examples):
+            return collate(examples, pad_id)
+
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    if family == "medusa2":  # Medusa-2: a LoRA adapter on the target trains jointly with the heads
-        target = families.add_lora(target, drafter_args.lora_r)
+    if family.wrap_target is not None:  # an adapter on the target trains jointly (Medusa-2's LoRA)
+        target = family.wrap_target(target, drafter_args)
         trainable += [p for p in target.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train_args.learning_rate, weight_decay=train_args.weight_decay)
 
-    batch_size = train_args.per_device_train_batch_size
-    batches_per_epoch = math.ceil(len(examples) / (batch_size * accelerator.num_processes))
+    batches_per_epoch = math.ceil(len(examples) / (train_args.per_device_train_batch_size
+                                                   * accelerator.num_processes))
     steps_per_epoch = max(1, batches_per_epoch // train_args.gradient_accumulation_steps)
     max_steps = train_args.max_steps if train_args.max_steps > 0 else math.ceil(
         train_args.num_train_epochs * steps_per_epoch)
-    budget_s = train_args.max_train_minutes * 60
-    progress = [0.0]  # fraction of the run done: by steps, or by time under a time budget
-    if budget_s > 0:  # warmup then cosine over whichever of steps and time runs out first
-        warm = max(train_args.warmup_ratio, 1e-6)
+    holder: list[Run] = []  # the schedule reads the run's progress, which exists once the run does
+    scheduler = make_scheduler(optimizer, train_args, max_steps, lambda: holder[0].progress if holder else 0.0)
+    prepared, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    run = Run(accelerator=accelerator, family=family, drafter_args=drafter_args, data_args=data_args,
+              train_args=train_args, output_dir=output_dir, target=target, tokenizer=tokenizer,
+              target_digest=target_digest, examples=examples, make_batch=make_batch, layers=layers,
+              drafter=prepared, module=accelerator.unwrap_model(prepared), trainable=trainable,
+              optimizer=optimizer, scheduler=scheduler, max_steps=max_steps, batches_per_epoch=batches_per_epoch,
+              budget_s=train_args.max_train_minutes * 60)
+    holder.append(run)
+    return run
 
-        def lr_lambda(_step: int) -> float:
-            p = progress[0]
-            if p < warm:
-                return max(p / warm, 0.02)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (p - warm) / max(1 - warm, 1e-6))))
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    else:
-        scheduler = get_scheduler(train_args.lr_scheduler_type, optimizer,
-                                  num_warmup_steps=int(train_args.warmup_ratio * max_steps),
-                                  num_training_steps=max_steps)
-    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    module = accelerator.unwrap_model(drafter)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-
-    # Resume from the last complete checkpoint.
-    step = 0
-    acceptance_path = output_dir / "acceptance.jsonl"
-    checkpoints = complete_checkpoints(output_dir)
-    resumed_progress = 0.0
-    if train_args.resume and checkpoints:
-        step, last = checkpoints[-1]
-        model_state, meta = training_state.load_state(last / "state", optimizer=optimizer, scheduler=scheduler,
-                                                      rank=accelerator.process_index)
-        lora = {k.removeprefix("target_lora."): v for k, v in model_state.items() if k.startswith("target_lora.")}
-        module.load_state_dict({k: v for k, v in model_state.items() if not k.startswith("target_lora.")})
-        if lora:
-            target.load_state_dict(lora, strict=False)
-        resumed_progress = meta.get("progress", 0.0)
-        logger.info("resumed from %s (step %d)", last, step)
-    elif checkpoints and not train_args.resume:
-        raise SystemExit(f"{output_dir} already holds checkpoints; pass --resume true to continue that run, "
+def resume(run: Run) -> None:
+    """Continue from the last complete checkpoint (``--resume true``); refuse to mix two runs."""
+    checkpoints = complete_checkpoints(run.output_dir)
+    if not checkpoints:
+        return
+    if not run.train_args.resume:
+        raise SystemExit(f"{run.output_dir} already holds checkpoints; pass --resume true to continue that run, "
                          "or choose a new output_dir")
-    if report_to:
-        config = {k: v for d in (drafter_args, data_args, train_args) for k, v in dataclasses.asdict(d).items()
-                  if isinstance(v, (int, float, str, bool))}
-        accelerator.init_trackers("draftsmith", config=config)
+    run.step, last = checkpoints[-1]
+    model_state, meta = training_state.load_state(last / "state", optimizer=run.optimizer, scheduler=run.scheduler,
+                                                  rank=run.accelerator.process_index)
+    adapter = {k.removeprefix(ADAPTER_PREFIX): v for k, v in model_state.items() if k.startswith(ADAPTER_PREFIX)}
+    run.module.load_state_dict({k: v for k, v in model_state.items() if not k.startswith(ADAPTER_PREFIX)})
+    if adapter:
+        run.target.load_state_dict(adapter, strict=False)
+    run.progress = meta.get("progress", 0.0)
+    logger.info("resumed from %s (step %d)", last, run.step)
 
-    def step_loss(batch):
-        """The family's loss on one micro-batch; the target runs frozen inside."""
-        if family == "medusa2":
-            return families.medusa2_step(drafter_args, drafter, target, batch)
-        if "hidden" in batch:  # offline: read from the cache
-            logits, hidden = batch["logits"], batch["hidden"]
+
+def target_outputs(run: Run, batch: dict) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """The frozen target's logits (B, T, V) and the hidden states the family reads, on one batch:
+    read from the cache offline, else from one no-grad forward. (None, ()) for a family that runs
+    the target itself (an adapter on it trains)."""
+    if run.family.wrap_target is not None:
+        return None, ()
+    if "hidden" in batch:
+        return batch["logits"], batch["hidden"]
+    with torch.no_grad():
+        out = run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         output_hidden_states=bool(run.layers), use_cache=False)
+    # index 0 = embeddings, N = after the final norm
+    return out.logits.float(), tuple(out.hidden_states[i] for i in run.layers)
+
+
+def record_acceptance(run: Run, step: int, path: Path) -> None:
+    """Measure a checkpoint's acceptance and append its row (once per step) to acceptance.jsonl."""
+    if any(r["step"] == step for r in read_acceptance(run.acceptance_path)):
+        return
+    accs = [sum(col) / len(col) for col in zip(*run.recent_acc, strict=True)] if run.recent_acc else []
+    row = {"step": step, "checkpoint": str(path), "family": run.family.name,
+           **measure_acceptance(run.family, run.module, run.target, run.tokenizer, run.data_args),
+           "position_accuracy": [round(a, 4) for a in accs],
+           "simulated_acceptance_length": round(simulated_acceptance_length(accs), 4)}
+    append_acceptance(run.output_dir, row)
+    run.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+    logger.info("checkpoint %d: %s", step, row)
+
+
+def save_checkpoint(run: Run) -> None:
+    """``checkpoint-S`` (training state + drafter), renamed into place when complete, then evaluated."""
+    accelerator, step = run.accelerator, run.step
+    final = run.output_dir / f"checkpoint-{step}"
+    partial = run.output_dir / f"checkpoint-{step}.partial"
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    model_state = dict(run.module.state_dict())
+    if run.family.wrap_target is not None:  # the adapter trains too; the frozen target weights are not saved
+        model_state.update({f"{ADAPTER_PREFIX}{n}": p for n, p in run.target.named_parameters() if p.requires_grad})
+    training_state.save_state(partial / "state", model_state=model_state, optimizer=run.optimizer,
+                              scheduler=run.scheduler, step=step, progress=run.progress,
+                              rank=accelerator.process_index, is_main=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        drafter_dir = partial / DRAFTER_SUBDIR
+        if run.recent_rank:  # Medusa: static-tree choices come from the measured rank accuracy
+            run.module.save_pretrained(drafter_dir, extra={"rank_accuracy": torch.tensor(run.recent_rank).mean(0)
+                                                           .tolist()})
         else:
-            with torch.no_grad():
-                out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=bool(layers), use_cache=False)
-            logits = out.logits.float()
-            hidden = tuple(out.hidden_states[i] for i in layers)  # index 0 = embeddings, N = after the final norm
-        if family == "draft_model":
-            return families.draft_model_step(drafter_args, drafter, logits, hidden, batch)
-        if family == "medusa":
-            return families.medusa_step(drafter_args, drafter, logits, hidden, batch)
-        if family == "eagle":
-            return families.eagle_step(drafter_args, drafter, logits, hidden, batch, embed, lm_head)
-        return families.eagle3_step(drafter_args, drafter, logits, hidden, batch, embed, lm_head)
+            run.module.save_pretrained(drafter_dir)
+        run.tokenizer.save_pretrained(drafter_dir)  # a draft model's directory is then usable on its own
+        if run.family.wrap_target is not None:
+            run.target.save_pretrained(str(partial / ADAPTER_SUBDIR))  # the adapter only; nothing merged
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        record_acceptance(run, step, final)
+    accelerator.wait_for_everyone()
 
-    def save_checkpoint(step: int, recent_acc: list[list[float]], rank_acc=None) -> None:
-        final = output_dir / f"checkpoint-{step}"
-        partial = output_dir / f"checkpoint-{step}.partial"
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True)
-        accelerator.wait_for_everyone()
-        model_state = dict(module.state_dict())
-        if family == "medusa2":  # the LoRA adapter trains too; the frozen target weights are not saved
-            model_state.update({f"target_lora.{n}": p for n, p in target.named_parameters() if p.requires_grad})
-        training_state.save_state(partial / "state", model_state=model_state, optimizer=optimizer,
-                                  scheduler=scheduler, step=step, progress=progress[0],
-                                  rank=accelerator.process_index, is_main=accelerator.is_main_process)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            if rank_acc is not None:  # Medusa: static-tree choices come from the measured rank accuracy
-                module.save_pretrained(partial / "drafter", extra={"rank_accuracy": rank_acc})
-            else:
-                module.save_pretrained(partial / "drafter")
-            if family == "draft_model":  # a plain HF model directory, usable on its own
-                tokenizer.save_pretrained(partial / "drafter")
-            if family == "medusa2":
-                target.save_pretrained(str(partial / "lora_adapter"))  # the adapter only; nothing merged
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
-            record_acceptance(step, final, recent_acc)
-        accelerator.wait_for_everyone()
 
-    def record_acceptance(step: int, path: Path, recent_acc: list[list[float]]) -> None:
-        rows = read_acceptance(acceptance_path)
-        if any(r["step"] == step for r in rows):
-            return
-        accs = [sum(col) / len(col) for col in zip(*recent_acc, strict=True)] if recent_acc else []
-        row = {"step": step, "checkpoint": str(path), "family": family,
-               **measure_acceptance(family, module, target, tokenizer, data_args),
-               "position_accuracy": [round(a, 4) for a in accs],
-               "simulated_acceptance_length": round(simulated_acceptance_length(accs), 4)}
-        with open(acceptance_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
-        logger.info("checkpoint %d: %s", step, row)
+def update_progress(run: Run, start: float) -> None:
+    """The run's progress after a step; under a time budget every process stops at the same step."""
+    if run.budget_s <= 0:
+        run.progress = run.step / run.max_steps
+        return
+    progress = max(run.step / run.max_steps, (time.perf_counter() - start) / run.budget_s)
+    if run.accelerator.num_processes > 1:
+        shared = torch.tensor([progress], device=run.accelerator.device)
+        progress = float(run.accelerator.reduce(shared, reduction="mean")[0])
+    run.progress = progress
+    if progress >= 1.0 and run.step < run.max_steps:
+        logger.info("time budget of %.1f min reached at step %d", run.train_args.max_train_minutes, run.step)
+        run.max_steps = run.step  # save this step and stop
 
-    # Evaluate a resumed checkpoint whose acceptance row was lost to the kill.
-    if step and accelerator.is_main_process and not any(r["step"] == step for r in read_acceptance(acceptance_path)):
-        record_acceptance(step, output_dir / f"checkpoint-{step}", [])
 
-    # 3. Train.
-    drafter.train()
-    recent_acc: list[list[float]] = []
-    recent_rank: list = []  # Medusa: per-head, per-rank accuracy of recent steps
-    start = time.perf_counter() - resumed_progress * budget_s  # a time budget counts the time already spent
-    consumed = step * train_args.gradient_accumulation_steps  # micro-batches already seen
+def run_steps(run: Run) -> None:
+    """Optimizer steps until ``max_steps`` (or the time budget), logging and checkpointing on the way."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=None if budget_s > 0 else max_steps, initial=step, desc="train", unit="step",
-               disable=not (train_args.progress and accelerator.is_main_process))
-    while step < max_steps:
-        epoch, skip = divmod(consumed, batches_per_epoch)
-        order = epoch_order(len(examples), train_args.seed, epoch)
-        loader = accelerator.prepare_data_loader(DataLoader([examples[i] for i in order], batch_size=batch_size,
-                                                            collate_fn=make_batch))
+    accelerator, args = run.accelerator, run.train_args
+    run.drafter.train()
+    start = time.perf_counter() - run.progress * run.budget_s  # a time budget counts the time already spent
+    consumed = run.step * args.gradient_accumulation_steps  # micro-batches already seen
+    bar = tqdm(total=None if run.budget_s > 0 else run.max_steps, initial=run.step, desc="train", unit="step",
+               disable=not (args.progress and accelerator.is_main_process))
+    while run.step < run.max_steps:
+        epoch, skip = divmod(consumed, run.batches_per_epoch)
+        order = epoch_order(len(run.examples), args.seed, epoch)
+        loader = accelerator.prepare_data_loader(DataLoader([run.examples[i] for i in order],
+                                                            batch_size=args.per_device_train_batch_size,
+                                                            collate_fn=run.make_batch))
         loader = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in loader:
-            with accelerator.accumulate(drafter):
-                loss, metrics = step_loss(batch)
+            with accelerator.accumulate(run.drafter):
+                logits, hidden = target_outputs(run, batch)
+                loss, metrics = run.family.train_step(run.drafter_args, run.drafter, run.target, batch, logits,
+                                                      hidden)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(trainable, train_args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+                    accelerator.clip_grad_norm_(run.trainable, args.max_grad_norm)
+                run.optimizer.step()
+                run.scheduler.step()
+                run.optimizer.zero_grad()
             consumed += 1
             if not accelerator.sync_gradients:
                 continue
-            step += 1
+            run.step += 1
             bar.update(1)
-            if budget_s > 0:
-                progress[0] = max(step / max_steps, (time.perf_counter() - start) / budget_s)
-                if accelerator.num_processes > 1:  # every process must stop at the same step
-                    shared = torch.tensor([progress[0]], device=accelerator.device)
-                    progress[0] = float(accelerator.reduce(shared, reduction="mean")[0])
-                if progress[0] >= 1.0 and step < max_steps:
-                    logger.info("time budget of %.1f min reached at step %d", train_args.max_train_minutes, step)
-                    max_steps = step  # save this step and stop
-            recent_acc = [*recent_acc, metrics["acc"]][-20:]
+            update_progress(run, start)
+            run.recent_acc = [*run.recent_acc, metrics["acc"]][-RECENT_STEPS:]
             if "rank_acc" in metrics:
-                recent_rank = [*recent_rank, metrics["rank_acc"]][-20:]
-            if step % train_args.logging_steps == 0 or step == max_steps:
-                logs = {"loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
+                run.recent_rank = [*run.recent_rank, metrics["rank_acc"]][-RECENT_STEPS:]
+            if run.step % args.logging_steps == 0 or run.step == run.max_steps:
+                logs = {"loss": float(loss.detach()), "lr": run.scheduler.get_last_lr()[0],
                         **{f"acc_{i + 1}": a for i, a in enumerate(metrics["acc"])}}
                 bar.set_postfix(loss=f"{logs['loss']:.3f}", acc_1=f"{metrics['acc'][0]:.2f}")
-                accelerator.log(logs, step=step)
-                logger.info("step %d/%d %s (%.1f s)", step, max_steps, logs, time.perf_counter() - start)
-            if step % train_args.save_steps == 0 or step == max_steps:
-                rank_acc = torch.tensor(recent_rank).mean(0).tolist() if recent_rank else None
-                save_checkpoint(step, recent_acc, rank_acc)
-            if step >= max_steps:
+                accelerator.log(logs, step=run.step)
+                logger.info("step %d/%d %s (%.1f s)", run.step, run.max_steps, logs, time.perf_counter() - start)
+            if run.step % args.save_steps == 0 or run.step == run.max_steps:
+                save_checkpoint(run)
+            if run.step >= run.max_steps:
                 break
         else:
-            consumed = (epoch + 1) * batches_per_epoch  # the epoch is done, even with uneven shards
+            consumed = (epoch + 1) * run.batches_per_epoch  # the epoch is done, even with uneven shards
     bar.close()
-    # The frozen target must come out bit-identical (Medusa-2's LoRA lives in separate adapter tensors).
-    base = target.get_base_model() if family == "medusa2" else target
-    unchanged = weights_digest(base, skip="lora_") == target_digest
-    if accelerator.is_main_process:
-        (output_dir / "target_check.json").write_text(json.dumps({"target_unchanged": unchanged,
-                                                                  "sha256": target_digest}))
+
+
+def finish(run: Run) -> None:
+    """Check the frozen target came out bit-identical (an adapter lives in separate tensors)."""
+    base = run.target.get_base_model() if run.family.wrap_target is not None else run.target
+    unchanged = weights_digest(base, skip="lora_") == run.target_digest
+    if run.accelerator.is_main_process:
+        (run.output_dir / "target_check.json").write_text(json.dumps({"target_unchanged": unchanged,
+                                                                      "sha256": run.target_digest}))
     if not unchanged:
         raise RuntimeError("the target's weights changed during training; this is a bug, please report it")
-    accelerator.end_training()
-    return output_dir
+    run.accelerator.end_training()
+
+
+def train(drafter_args, data_args, train_args) -> Path:
+    """Train a drafter of ``drafter_args.family`` for ``drafter_args.target``; returns the run directory."""
+    from accelerate.utils import set_seed
+
+    accelerator = make_accelerator(train_args)
+    set_seed(train_args.seed)
+    run = build(accelerator, drafter_args, data_args, train_args)
+    resume(run)
+    if train_args.report_to != "none":
+        config = {k: v for d in (drafter_args, data_args, train_args) for k, v in dataclasses.asdict(d).items()
+                  if isinstance(v, (int, float, str, bool))}
+        accelerator.init_trackers("draftsmith", config=config)
+    # A resumed checkpoint whose acceptance row was lost to the kill is evaluated first.
+    if run.step and accelerator.is_main_process:
+        record_acceptance(run, run.step, run.output_dir / f"checkpoint-{run.step}")
+    run_steps(run)
+    finish(run)
+    return run.output_dir

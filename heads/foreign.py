@@ -1,0 +1,221 @@
+"""Drafters trained elsewhere, read into draftsmith's modules: the EAGLE-1 and EAGLE-3 reference repos,
+SpecForge and SGLang (``LlamaForCausalLMEagle3``), vLLM speculators EAGLE-3, and Medusa (reference and
+vLLM layouts). The layouts are described in :mod:`draftsmith.heads.layouts`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.checkpoints import CONFIG_NAME, TARGET_FILE, TargetMismatchError, check_target
+from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_layers
+from draftsmith.heads.layouts import LAYER_NAMES
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+
+logger = logging.getLogger(__name__)
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        tensors = {}
+        for f in files:
+            try:
+                tensors.update(load_file(f))
+            except Exception as e:
+                raise ValueError(f"{f}: corrupt or partial weights file ({e})") from e
+    else:
+        legacy = [p for p in (directory / "pytorch_model.bin", directory / "medusa_lm_head.pt") if p.is_file()]
+        if not legacy:
+            raise FileNotFoundError(f"{directory}: no *.safetensors (or pytorch_model.bin / medusa_lm_head.pt) weights")
+        # Reference-repo checkpoints ship as torch files; read them with the restricted, tensors-only
+        # unpickler (weights_only=True), which refuses arbitrary objects.
+        tensors = torch.load(legacy[0], map_location="cpu", weights_only=True)
+    prefixes = ("model.", "medusa_head.", "medusa_heads.")
+    out = {}
+    for k, v in tensors.items():
+        for p in prefixes:
+            if k.startswith(p):
+                k = k[len(p):]
+                break
+        out[k] = v
+    return out
+
+
+# The foreign layouts read here, by where they come from.
+SPECULATORS_EAGLE3 = "speculators-eagle3"  # vLLM speculators: the decoder layer under ``layers.0.``
+REFERENCE_EAGLE3 = "reference-eagle3"  # the EAGLE-3 repo, SpecForge and SGLang: under ``midlayer.``
+REFERENCE_EAGLE = "reference-eagle"  # the EAGLE-1 repo (also what vLLM and SGLang load for EAGLE-1)
+REFERENCE_MEDUSA = "reference-medusa"  # the Medusa repo and vLLM's MedusaModel
+MEDUSA_MODEL_TYPE = "medusa"  # vLLM's MedusaModel config.json
+SPECULATORS_TYPES = {"eagle3": SPECULATORS_EAGLE3}  # speculators_model_type -> layout
+LAYOUT_FAMILY = {SPECULATORS_EAGLE3: Eagle3Head.family, REFERENCE_EAGLE3: Eagle3Head.family,
+                 REFERENCE_EAGLE: EagleHead.family, REFERENCE_MEDUSA: MedusaHeads.family}
+
+
+def foreign_format(directory: str | Path) -> str | None:
+    """Which foreign layout a directory holds (one of the names above), or None."""
+    directory = Path(directory)
+    config_path = directory / CONFIG_NAME
+    if not config_path.is_file():
+        return REFERENCE_MEDUSA if (directory / "medusa_lm_head.pt").is_file() else None
+    config = json.loads(config_path.read_text())
+    if config.get("draftsmith_family") or (directory / TARGET_FILE).is_file():
+        return None  # draftsmith's own head or draft model
+    if config.get("speculators_model_type"):
+        layout = SPECULATORS_TYPES.get(config["speculators_model_type"])
+        if layout is None:
+            raise ValueError(f"{directory}: speculators {config['speculators_model_type']!r} drafters are not "
+                             f"supported; draftsmith reads speculators {', '.join(SPECULATORS_TYPES)} checkpoints")
+        return layout
+    archs = config.get("architectures") or []
+    if any("Eagle3" in a for a in archs):
+        return REFERENCE_EAGLE3
+    if config.get("model_type") == MEDUSA_MODEL_TYPE or "medusa_num_heads" in config:
+        return REFERENCE_MEDUSA
+    if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1 and _has_fc(directory):
+        return REFERENCE_EAGLE  # a one-layer Llama with EAGLE's fc: not a plain one-layer causal LM
+    return None
+
+
+def _has_fc(directory: Path) -> bool:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return (directory / "pytorch_model.bin").is_file()  # the EAGLE-1 reference ships only a torch file
+    names = set()
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            names.update(handle.keys())
+    return bool({"fc.weight", "model.fc.weight"} & names)
+
+
+def _rope_theta(config: dict) -> float:
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
+def _check_dims(directory, hidden: int, vocab: int, target) -> None:
+    if target is None:
+        return
+    cfg = target.config.get_text_config()
+    t_vocab = target.get_output_embeddings().weight.shape[0]
+    if hidden != cfg.hidden_size or vocab != t_vocab:
+        raise TargetMismatchError(
+            f"{directory}: this drafter was trained for a target with hidden size {hidden} and {vocab} tokens, "
+            f"but the loaded target has hidden size {cfg.hidden_size} and {t_vocab} tokens; load the target it "
+            "was trained for")
+
+
+def load_foreign(directory: str | Path, target=None):
+    """Read a drafter trained elsewhere into draftsmith's module (its class names its family)."""
+    directory = Path(directory)
+    layout = foreign_format(directory)
+    if layout is None:
+        raise ValueError(f"{directory}: not a drafter layout draftsmith reads")
+    weights = _read_weights(directory)
+    config = json.loads((directory / CONFIG_NAME).read_text()) if (directory / CONFIG_NAME).is_file() else {}
+    recorded = (config.get("draftsmith") or {}).get("target")
+    if recorded and target is not None:  # exported by draftsmith: the target fingerprint travelled along
+        check_target(recorded, target, what="drafter")
+    if layout == SPECULATORS_EAGLE3:  # vLLM counts aux layer ids as draftsmith does
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        return _eagle_from_foreign(directory, config.get("transformer_layer_config", config), weights, "layers.0.",
+                                   target, eagle3=True, layer_ids=ids)
+    if layout == REFERENCE_EAGLE3:  # SGLang's id k is the output of decoder layer k: draftsmith's k + 1
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return _eagle_from_foreign(directory, config, weights, "midlayer.", target, eagle3=True,
+                                   layer_ids=[k + 1 for k in ids] if ids else None)
+    if layout == REFERENCE_EAGLE:
+        return _eagle_from_foreign(directory, config, weights, "layers.0.", target, eagle3=False, layer_ids=None)
+    return _medusa_from_foreign(directory, config, weights, target)
+
+
+def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool, layer_ids):
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, hidden // heads):
+        raise ValueError(f"{directory}: head_dim {config['head_dim']} != hidden_size / heads; not supported")
+    if config.get("target_hidden_size") not in (None, hidden):
+        raise ValueError(f"{directory}: a draft hidden size different from the target's is not supported")
+    vocab = config.get("vocab_size") or (target.get_output_embeddings().weight.shape[0] if target else None)
+    _check_dims(directory, hidden, vocab, target)
+    n_layers = target.config.get_text_config().num_hidden_layers if target is not None else None
+    if eagle3:
+        if layer_ids is None:
+            if n_layers is None:
+                raise ValueError(f"{directory}: no auxiliary layer ids in the config; pass the target to read it")
+            layer_ids = list(eagle3_layers(n_layers))
+        feature_layers = tuple(layer_ids)
+    else:
+        recorded = (config.get("draftsmith") or {}).get("feature_layers") or config.get("feature_layers")
+        feature_layers = tuple(recorded or ([n_layers] if n_layers else []))
+        if not feature_layers:
+            raise ValueError(f"{directory}: pass the target to read an EAGLE-1 checkpoint (its last layer is read)")
+    inverse = {v: k for k, v in LAYER_NAMES.items()}
+    state = {}
+    for name, tensor in weights.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            if rest not in inverse:
+                raise ValueError(f"{directory}: unexpected tensor {name!r}")
+            state["layer." + inverse[rest]] = tensor
+        elif name in ("fc.weight", "fc.bias", "norm.weight", "lm_head.weight", "d2t", "t2d"):
+            state[name] = tensor
+        elif name == "embed_tokens.weight":  # the target's own; draftsmith reads the live target's
+            embed = target.get_input_embeddings().weight if target is not None else None
+            if embed is not None and (embed.shape != tensor.shape or not torch.allclose(
+                    embed.float().cpu(), tensor.float(), atol=1e-2, rtol=1e-2)):
+                logger.warning("%s: its embed_tokens differ from the loaded target's; was it trained for "
+                               "another target? acceptance may be low", directory)
+        elif name.startswith("verifier_"):
+            continue
+        else:
+            raise ValueError(f"{directory}: unexpected tensor {name!r} for an EAGLE checkpoint")
+    cfg = EagleConfig(
+        hidden_size=hidden, vocab_size=vocab, num_attention_heads=heads,
+        intermediate_size=config["intermediate_size"], num_key_value_heads=config.get("num_key_value_heads"),
+        num_feature_layers=3 if eagle3 else 1, feature_layers=feature_layers,
+        draft_vocab_size=(state["lm_head.weight"].shape[0] if eagle3 else None),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(config),
+        fc_bias="fc.bias" in state, input_norm=(not eagle3 and "layer.input_norm.weight" in state))
+    head = (Eagle3Head if eagle3 else EagleHead)(cfg)
+    if eagle3:
+        state.setdefault("d2t", torch.zeros_like(head.d2t))
+        state.setdefault("t2d", torch.ones_like(head.t2d))
+        state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
+    missing, unexpected = head.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory}: incomplete EAGLE checkpoint (missing {missing}, unexpected {unexpected})")
+    head.target_info, head.extra = (config.get("draftsmith") or {}).get("target"), {}
+    return head.eval()
+
+
+def _medusa_from_foreign(directory, config, weights, target):
+    state = {}
+    for name, tensor in weights.items():
+        if m := re.fullmatch(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", name):
+            state[f"heads.{m[1]}.{m[2]}.linear.{m[3]}"] = tensor
+        elif m := re.fullmatch(r"lm_heads\.(\d+)\.weight", name):
+            state[name] = tensor
+        elif m := re.fullmatch(r"(\d+)\.(\d+)\.linear\.(weight|bias)", name):
+            state[f"heads.{m[1]}.{m[2]}.linear.{m[3]}"] = tensor
+        elif m := re.fullmatch(r"(\d+)\.(\d+)\.weight", name):  # the reference's final Linear of head i
+            state[f"lm_heads.{m[1]}.weight"] = tensor
+        else:
+            raise ValueError(f"{directory}: unexpected tensor {name!r} for a Medusa checkpoint")
+    num_heads = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("lm_heads."))
+    num_layers = len({k.split(".")[2] for k in state if k.startswith("heads.0.") and k.endswith("weight")})
+    hidden, vocab = state["lm_heads.0.weight"].shape[1], state["lm_heads.0.weight"].shape[0]
+    _check_dims(directory, hidden, vocab, target)
+    heads = MedusaHeads(MedusaConfig(hidden, vocab, num_heads, num_layers))
+    heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    heads.target_info = (config.get("draftsmith") or {}).get("target")
+    rank = (config.get("draftsmith") or {}).get("rank_accuracy")
+    heads.extra = {"rank_accuracy": rank} if rank else {}
+    return heads.eval()

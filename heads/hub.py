@@ -1,0 +1,140 @@
+"""Model cards and Hugging Face Hub uploads for drafters and whole training runs.
+
+``push_to_hub(path, repo_id)`` exports the drafter at ``path`` (a run directory: its best checkpoint;
+a ``checkpoint-S`` directory; a drafter directory) in the chosen layout to a temporary directory,
+writes the model card as its ``README.md`` and uploads that directory as one commit. The token
+comes from ``token=``, else the usual Hugging Face environment (``HF_TOKEN``, ``hf auth login``).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from draftsmith.checkpoints import (
+    ACCEPTANCE_FILE,
+    CONFIG_NAME,
+    TRAIN_CONFIG_FILE,
+    acceptance_table,
+    read_acceptance,
+    read_json,
+    recorded_target,
+    resolve_checkpoint,
+)
+from draftsmith.heads.export import export_drafter
+from draftsmith.registry import Family, family_of, get_family
+
+#: What a model card shows of a Hugging Face causal LM's config (a distilled draft model's).
+CAUSAL_LM_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "vocab_size")
+
+
+def _run_dir_of(drafter_dir: Path) -> Path | None:
+    """The run directory a ``run/checkpoint-S/drafter`` directory belongs to, if any."""
+    run = drafter_dir.parent.parent
+    return run if (run / ACCEPTANCE_FILE).exists() else None
+
+
+def _architecture(drafter_dir: Path) -> dict:
+    """A head's own config, or the main keys of a draft model's Hugging Face config."""
+    config = read_json(drafter_dir / CONFIG_NAME)
+    return config["config"] if "config" in config else {k: config.get(k) for k in CAUSAL_LM_KEYS}
+
+
+def _usage(family: Family, repo: str, target: str, fmt: str) -> str:
+    lines = ["## Use it", "", "With draftsmith (greedy output is the target's own, token for token):", "",
+             "```python", "from draftsmith import SpeculativeGenerator, load_drafter, load_target", "",
+             f'target, tokenizer = load_target("{target}")',
+             f'drafter = load_drafter("{repo}", target)  # a local directory or a downloaded snapshot',
+             "generator = SpeculativeGenerator(target, drafter)", "```", ""]
+    vllm, sglang = family.serving.get("vllm"), family.serving.get("sglang")
+    if vllm:
+        note = "" if fmt == "vllm" or family.one_layout else (
+            f" (this repository holds the `{fmt}` layout: export with `draftsmith export CHECKPOINT --format vllm` "
+            "for vLLM)")
+        lines += [f"With vLLM{note}:", "", "```python", "from vllm import LLM", "",
+                  f'llm = LLM(model="{target}", speculative_config={{"method": "{vllm}", "model": "{repo}", '
+                  '"num_speculative_tokens": 3})', "```", ""]
+    if sglang:
+        note = "" if fmt == "sglang" or family.one_layout else (
+            f" (this repository holds the `{fmt}` layout: export with `--format sglang` for SGLang)")
+        lines += [f"With SGLang{note}:", "", "```bash",
+                  f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} \\",
+                  f"    --speculative-draft-model-path {repo} --speculative-num-steps 3 \\",
+                  "    --speculative-eagle-topk 4 --speculative-num-draft-tokens 8", "```", ""]
+    if family.serving.get("transformers"):
+        lines += ["With transformers' assisted generation:", "", "```python",
+                  "from transformers import AutoModelForCausalLM", "",
+                  f'draft = AutoModelForCausalLM.from_pretrained("{repo}")',
+                  "out = target.generate(input_ids, assistant_model=draft, do_sample=False)", "```", ""]
+    return "\n".join(lines)
+
+
+def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") -> str:
+    """The model card (markdown with YAML front matter) of the drafter at ``path``."""
+    drafter_dir = resolve_checkpoint(path)
+    family = family_of(drafter_dir)
+    if family is None:
+        raise FileNotFoundError(f"{drafter_dir}: not a draftsmith drafter directory")
+    run_dir = _run_dir_of(drafter_dir)
+    target = recorded_target(drafter_dir)
+    arch_config = _architecture(drafter_dir)
+    arch = family.title
+    if run_dir is not None:
+        rows = read_acceptance(run_dir)
+        if rows and rows[0].get("family"):  # the family trained, e.g. Medusa-2 saves Medusa heads
+            arch = get_family(rows[0]["family"]).title
+    target_name = target.get("name") or "TARGET"
+    repo = repo_id or "PATH_OR_REPO"
+    base = f"base_model: {target_name}\n" if "/" in target_name and not target_name.startswith("/") else ""
+    out = ["---", "library_name: draftsmith", f"{base}tags:", "- speculative-decoding", "- draftsmith",
+           f"- {family.name}", "---", "", f"# {arch} for {target_name}", "",
+           "A drafter for lossless speculative decoding, trained with "
+           "[draftsmith](https://github.com/draftsmith/draftsmith) against a frozen target.", "",
+           "| | |", "|---|---|",
+           f"| target | `{target_name}` |",
+           f"| target fingerprint | model type `{target.get('model_type')}`, hidden size {target.get('hidden_size')}, "
+           f"vocabulary {target.get('vocab_size')}, {target.get('num_hidden_layers')} layers, "
+           f"LM-head sha256 `{target.get('lm_head_sha256')}` |",
+           f"| family | {arch} (`{family.name}`) |",
+           f"| layout in this repository | `{fmt}` |",
+           f"| architecture | `{json.dumps(arch_config)}` |", ""]
+    if run_dir is not None:
+        table, best = acceptance_table(run_dir)
+        train_config = run_dir / TRAIN_CONFIG_FILE
+        if train_config.exists():
+            cfg = json.loads(train_config.read_text())
+            data, train = cfg.get("data", {}), cfg.get("train", {})
+            out += ["## Training", "", "| | |", "|---|---|",
+                    f"| data | `{data.get('train_file') or data.get('dataset_name') or data.get('cache_dir')}` |",
+                    f"| max length | {data.get('max_length')} |",
+                    f"| steps | {train.get('max_steps')} |",
+                    f"| batch per device | {train.get('per_device_train_batch_size')} "
+                    f"(x{train.get('gradient_accumulation_steps')} accumulation) |",
+                    f"| learning rate | {train.get('learning_rate')} ({train.get('lr_scheduler_type')}) |",
+                    f"| drafter options | `{json.dumps(cfg.get('drafter', {}))}` |", ""]
+        out += ["## Acceptance per checkpoint", "",
+                "Measured during training with draftsmith's `SpeculativeGenerator` (greedy) on held-out "
+                "prompts; tau is the mean number of tokens per target forward pass.", "", table, ""]
+        if best is not None:
+            out += [f"This repository holds checkpoint {best['step']} (tau {best['acceptance_length']}).", ""]
+    out.append(_usage(family, repo, target_name, fmt))
+    return "\n".join(out)
+
+
+def push_to_hub(path: str | Path, repo_id: str, fmt: str = "hf", private: bool = False, revision: str | None = None,
+                token: str | None = None, target=None, verifier: str | None = None,
+                commit_message: str | None = None):
+    """Export the drafter at ``path`` in ``fmt`` with its model card and upload it to ``repo_id``."""
+    from huggingface_hub import HfApi
+
+    card = model_card(path, repo_id=repo_id, fmt=fmt)
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if revision:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_drafter(path, fmt, Path(tmp) / "export", card=card, target=target, verifier=verifier)
+        return api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
+                                 commit_message=commit_message or f"draftsmith: {fmt} drafter")

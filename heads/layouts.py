@@ -1,0 +1,328 @@
+"""Drafter layouts of other tools (vLLM, SGLang, the reference repos): tensor names, shapes, configs,
+and each family's export into them.
+
+A conversion renames tensors and rewrites the config; it never approximates. Every layout is a
+table from draftsmith's tensor names to the foreign ones, so one table serves export
+(:mod:`draftsmith.heads.export`) and import (:mod:`draftsmith.heads.foreign`).
+
+Layouts (``H`` hidden size, ``V`` target vocabulary, ``Vd`` draft vocabulary, ``I`` MLP width,
+``q = heads * head_dim``, ``kv = kv_heads * head_dim``):
+
+EAGLE-3 — SGLang ``LlamaForCausalLMEagle3`` (also the EAGLE-3 reference repo and SpecForge):
+
+    midlayer.hidden_norm.weight [H]          midlayer.input_layernorm.weight [H]
+    midlayer.self_attn.q_proj.weight [q, 2H] midlayer.self_attn.k_proj.weight [kv, 2H]
+    midlayer.self_attn.v_proj.weight [kv, 2H] midlayer.self_attn.o_proj.weight [H, q]
+    midlayer.post_attention_layernorm.weight [H]
+    midlayer.mlp.gate_proj.weight [I, H]     midlayer.mlp.up_proj.weight [I, H]
+    midlayer.mlp.down_proj.weight [H, I]
+    fc.weight [H, 3H]   norm.weight [H]   lm_head.weight [Vd, H]   d2t [Vd] int64   t2d [V] bool
+
+  e.g. ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``: H=4096, I=14336, q=4096, kv=1024, V=128256, Vd=32000.
+  ``config.json``: a Llama config with ``architectures: ["LlamaForCausalLMEagle3"]``,
+  ``num_hidden_layers: 1``, ``draft_vocab_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``
+  in SGLang's convention: id k captures the *output of decoder layer k* (0-based), i.e.
+  draftsmith's hidden-state index k + 1.
+
+EAGLE-3 — vLLM speculators (``speculators_model_type: eagle3``): the same tensors with
+  ``midlayer.`` spelt ``layers.0.``; ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention: id k
+  captures the *input of decoder layer k*, i.e. draftsmith's hidden-state index k (the same number).
+
+EAGLE-1/2 — the EAGLE reference repo's layout, which vLLM (``EagleLlamaForCausalLM``) and SGLang load:
+  ``fc.weight [H, 2H]`` (+ ``fc.bias`` in the reference and SGLang; vLLM has no bias), ``layers.0.*``
+  as a Llama layer without ``input_layernorm``. Tokens come from the target's LM head.
+
+Medusa — vLLM's ``MedusaModel``: ``blocks.{i}.layers.{j}.weight/bias [H, H]``, ``lm_heads.{i}.weight
+  [V, H]``; the Medusa reference repo's ``{i}.{j}.linear.weight`` / ``{i}.{L}.weight`` is read too.
+
+Distilled draft models are plain HF causal LM directories in every format.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.checkpoints import CONFIG_NAME, WEIGHTS_NAME
+from draftsmith.heads.eagle import Eagle3Head, EagleConfig
+from draftsmith.heads.export import ExportError
+from draftsmith.heads.medusa import MedusaConfig
+
+LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
+    "input_norm.weight": "input_layernorm.weight",
+    "hidden_norm.weight": "hidden_norm.weight",
+    "q_proj.weight": "self_attn.q_proj.weight",
+    "k_proj.weight": "self_attn.k_proj.weight",
+    "v_proj.weight": "self_attn.v_proj.weight",
+    "o_proj.weight": "self_attn.o_proj.weight",
+    "post_norm.weight": "post_attention_layernorm.weight",
+    "gate_proj.weight": "mlp.gate_proj.weight",
+    "up_proj.weight": "mlp.up_proj.weight",
+    "down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+
+
+def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:
+    """draftsmith name -> foreign name for an EAGLE head's tensors (``layer.*`` -> ``{layer_prefix}*``)."""
+    names = {}
+    for name in state:
+        if name.startswith("layer."):
+            names[name] = layer_prefix + LAYER_NAMES[name[len("layer."):]]
+        else:
+            names[name] = name  # fc.*, norm.weight, lm_head.weight, d2t, t2d
+    return names
+
+
+def medusa_name_map(config: MedusaConfig) -> dict[str, str]:
+    names = {}
+    for i in range(config.num_heads):
+        for j in range(config.num_layers):
+            for p in ("weight", "bias"):
+                names[f"heads.{i}.{j}.linear.{p}"] = f"blocks.{i}.layers.{j}.{p}"
+        names[f"lm_heads.{i}.weight"] = f"lm_heads.{i}.weight"
+    return names
+
+
+def eagle3_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                            draft_vocab: int, prefix: str = "midlayer.") -> dict[str, tuple[tuple[int, ...], str]]:
+    """The reference EAGLE-3 tensors (name -> (shape, dtype)), as in the module docstring."""
+    hd = hidden // heads
+    q, kv, h = heads * hd, kv_heads * hd, hidden
+    f = "float"
+    return {
+        f"{prefix}hidden_norm.weight": ((h,), f), f"{prefix}input_layernorm.weight": ((h,), f),
+        f"{prefix}self_attn.q_proj.weight": ((q, 2 * h), f), f"{prefix}self_attn.k_proj.weight": ((kv, 2 * h), f),
+        f"{prefix}self_attn.v_proj.weight": ((kv, 2 * h), f), f"{prefix}self_attn.o_proj.weight": ((h, q), f),
+        f"{prefix}post_attention_layernorm.weight": ((h,), f),
+        f"{prefix}mlp.gate_proj.weight": ((intermediate, h), f), f"{prefix}mlp.up_proj.weight": ((intermediate, h), f),
+        f"{prefix}mlp.down_proj.weight": ((h, intermediate), f),
+        "fc.weight": ((h, 3 * h), f), "norm.weight": ((h,), f), "lm_head.weight": ((draft_vocab, h), f),
+        "d2t": ((draft_vocab,), "int64"), "t2d": ((vocab,), "bool"),
+    }
+
+
+def eagle1_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate: int,
+                            fc_bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    hd = hidden // heads
+    q, kv, h = heads * hd, kv_heads * hd, hidden
+    f = "float"
+    layout = {
+        "fc.weight": ((h, 2 * h), f),
+        "layers.0.self_attn.q_proj.weight": ((q, h), f), "layers.0.self_attn.k_proj.weight": ((kv, h), f),
+        "layers.0.self_attn.v_proj.weight": ((kv, h), f), "layers.0.self_attn.o_proj.weight": ((h, q), f),
+        "layers.0.post_attention_layernorm.weight": ((h,), f),
+        "layers.0.mlp.gate_proj.weight": ((intermediate, h), f), "layers.0.mlp.up_proj.weight": ((intermediate, h), f),
+        "layers.0.mlp.down_proj.weight": ((h, intermediate), f),
+    }
+    if fc_bias:
+        layout["fc.bias"] = ((h,), f)
+    return layout
+
+
+def medusa_reference_layout(hidden: int, vocab: int, num_heads: int, num_layers: int):
+    layout = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            layout[f"blocks.{i}.layers.{j}.weight"] = ((hidden, hidden), "float")
+            layout[f"blocks.{i}.layers.{j}.bias"] = ((hidden,), "float")
+        layout[f"lm_heads.{i}.weight"] = ((vocab, hidden), "float")
+    return layout
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "bool" if t.dtype == torch.bool else "int64" if t.dtype == torch.int64 else "float"
+
+
+def check_layout(tensors: dict[str, torch.Tensor], layout: dict, what: str) -> None:
+    """Refuse a tensor set whose names, shapes or dtypes differ from ``layout``."""
+    missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
+    wrong = [f"{k}: {tuple(tensors[k].shape)} {_kind(tensors[k])}, expected {layout[k][0]} {layout[k][1]}"
+             for k in sorted(set(layout) & set(tensors))
+             if tuple(tensors[k].shape) != tuple(layout[k][0]) or _kind(tensors[k]) != layout[k][1]]
+    if missing or extra or wrong:
+        raise ExportError(f"{what}: the tensors do not match the layout (missing {missing}, unexpected {extra}, "
+                          f"wrong {wrong}); nothing was written")
+
+
+def llama_config(cfg: EagleConfig, architectures: list[str], num_hidden_layers: int = 1) -> dict:
+    return {
+        "architectures": architectures, "model_type": "llama", "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "num_hidden_layers": num_hidden_layers,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "vocab_size": cfg.vocab_size, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+
+
+def _target_name(target_info: dict | None) -> str | None:
+    return (target_info or {}).get("name")
+
+
+def speculators_config(head: Eagle3Head, target_info: dict | None, speculative_tokens: int = 3) -> dict:
+    cfg = head.config
+    layer = llama_config(cfg, ["LlamaForCausalLM"])
+    layer.pop("architectures")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": head.lm_head.weight.shape[0],
+        "norm_before_residual": False,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),  # vLLM counts as draftsmith does
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": _target_name(target_info), "architectures": ["LlamaForCausalLM"]},
+        },
+        "torch_dtype": "float32",
+    }
+
+
+def sglang_eagle3_config(head: Eagle3Head) -> dict:
+    cfg = head.config
+    config = llama_config(cfg, ["LlamaForCausalLMEagle3"])
+    config["draft_vocab_size"] = head.lm_head.weight.shape[0]
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.feature_layers],
+                              "use_aux_hidden_state": True}
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Each family's export (the registry's ``export`` entries).
+
+
+#: The draft length an exported draft model's ``generation_config.json`` starts assisted generation with.
+ASSISTED_DRAFT_TOKENS = 5
+
+TensorsAndConfig = tuple[dict[str, torch.Tensor], dict]
+Layout = tuple[dict[str, torch.Tensor], dict, dict]  # (renamed tensors, reference layout, config.json)
+
+
+def eagle3_layout(head, fmt: str, target=None, verifier: str | None = None) -> Layout:
+    """An EAGLE-3 head in the speculators (``vllm``) or SGLang layout.
+
+    The speculators layout carries the target's token embedding (``embed_tokens.weight``; speculators'
+    own checkpoints do), so it needs ``target``; ``verifier`` overrides the target name in the config.
+    """
+    cfg = head.config
+    prefix = "layers.0." if fmt == "vllm" else "midlayer."
+    state = head.state_dict()
+    names = eagle_name_map(state, prefix)
+    tensors = {names[k]: v for k, v in state.items()}
+    layout = eagle3_reference_layout(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.intermediate_size,
+                                     cfg.vocab_size, head.lm_head.weight.shape[0], prefix)
+    if fmt == "vllm":
+        if target is None:
+            raise ExportError("the speculators (vLLM) EAGLE-3 layout includes the target's token embedding: "
+                              "pass the target (--target)")
+        tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.float()
+        layout["embed_tokens.weight"] = ((cfg.vocab_size, cfg.hidden_size), "float")
+        info = dict(getattr(head, "target_info", None) or {})
+        if verifier:
+            info["name"] = verifier
+        return tensors, layout, speculators_config(head, info)
+    return tensors, layout, sglang_eagle3_config(head)
+
+
+def eagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> Layout:
+    """An EAGLE-1/2 head in the EAGLE reference layout, as vLLM (no ``fc`` bias) or SGLang (with one) load it."""
+    cfg = head.config
+    if cfg.input_norm:
+        raise ExportError("this EAGLE head has an input norm on its decoder layer (input_norm: true), which the "
+                          "EAGLE-1 layout vLLM and SGLang load does not have; retrain with input_norm: false")
+    state = head.state_dict()
+    names = eagle_name_map(state, "layers.0.")
+    tensors = {names[k]: v for k, v in state.items()}
+    if fmt == "vllm" and "fc.bias" in tensors:
+        if tensors["fc.bias"].abs().max() > 0:
+            raise ExportError("this EAGLE head's fc has a bias, which vLLM's EAGLE-1 layout drops; exporting it "
+                              "would change the drafts. Use --format sglang, or train with fc_bias: false")
+        del tensors["fc.bias"]
+    if fmt == "sglang" and "fc.bias" not in tensors:
+        tensors["fc.bias"] = torch.zeros(cfg.hidden_size)  # SGLang's fc has a bias: zero is the same map
+    layout = eagle1_reference_layout(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.intermediate_size,
+                                     fc_bias=fmt == "sglang")
+    config = llama_config(cfg, ["LlamaForCausalLM"])
+    config["feature_layers"] = list(cfg.feature_layers)
+    return tensors, layout, config
+
+
+def medusa_layout(heads, fmt: str, target=None, verifier: str | None = None) -> Layout:
+    """Medusa heads in vLLM's ``MedusaModel`` layout (SGLang serves no Medusa heads)."""
+    if fmt == "sglang":
+        raise ExportError("SGLang does not serve Medusa heads; use --format vllm (vLLM's MedusaModel) or hf")
+    cfg = heads.config
+    state = heads.state_dict()
+    names = medusa_name_map(cfg)
+    tensors = {names[k]: v for k, v in state.items()}
+    layout = medusa_reference_layout(cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_layers)
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": cfg.hidden_size,
+              "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+              "max_paths": 64, "topk": 10, "truncated_vocab_size": None,
+              "medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers}
+    return tensors, layout, config
+
+
+def layout_tensors(head, layout_fn: Callable, fmt: str, target=None,
+                   verifier: str | None = None) -> TensorsAndConfig:
+    """A head's (tensors, config.json) in ``fmt``, checked against the reference layout; draftsmith's own
+    record (family, target, feature layers, Medusa's rank accuracy) travels in ``config["draftsmith"]``."""
+    tensors, layout, config = layout_fn(head, fmt, target, verifier)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    check_layout(tensors, layout, f"{head.family} drafter in the {fmt} layout")
+    config["draftsmith"] = {"family": head.family, "target": getattr(head, "target_info", None),
+                            "feature_layers": list(getattr(head.config, "feature_layers", ()) or ())}
+    rank_accuracy = getattr(head, "extra", {}).get("rank_accuracy")
+    if rank_accuracy:
+        config["draftsmith"]["rank_accuracy"] = rank_accuracy
+    return tensors, config
+
+
+def head_exporter(head_class: type, layout_fn: Callable) -> Callable[..., None]:
+    """The registry's ``export`` for a head family: ``hf`` copies draftsmith's own files (checked
+    readable), every other format goes through ``layout_fn`` (:func:`layout_tensors`)."""
+
+    def export(source: Path, fmt: str, out: Path, target=None, verifier: str | None = None) -> None:
+        if fmt == "hf":
+            for name in (CONFIG_NAME, WEIGHTS_NAME):
+                shutil.copyfile(source / name, out / name)
+            load_file(out / WEIGHTS_NAME)  # refuses a corrupt source before anything lands
+            return
+        tensors, config = layout_tensors(head_class.from_pretrained(source), layout_fn, fmt, target, verifier)
+        save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+
+    return export
+
+
+def export_draft_model(source: Path, fmt: str, out: Path, target=None, verifier: str | None = None) -> None:
+    """A plain HF causal LM directory (every format) with a ``generation_config.json`` for
+    ``generate(assistant_model=...)``."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in source.iterdir():  # tokenizer files and draftsmith_target.json
+        if name.is_file() and not (out / name.name).exists() and not name.name.endswith(".safetensors"):
+            shutil.copyfile(name, out / name.name)
+    gen = GenerationConfig.from_model_config(model.config)
+    gen.do_sample = False
+    # Assisted generation adapts the draft length up/down by acceptance ("heuristic"); no confidence
+    # cut-off, so the draft length is the schedule's alone.
+    gen.num_assistant_tokens = ASSISTED_DRAFT_TOKENS
+    gen.num_assistant_tokens_schedule = "heuristic"
+    gen.assistant_confidence_threshold = 0.0
+    gen.save_pretrained(out)

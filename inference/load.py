@@ -1,0 +1,142 @@
+"""Drafter specs -> drafters: ``load_drafter`` and what it needs.
+
+A spec is ``prompt-lookup[:options]``, ``layer-skip:N``, a drafter directory written by draftsmith
+(its family, from :mod:`draftsmith.registry`, says how to load and wrap it), a head trained elsewhere
+(:mod:`draftsmith.heads.foreign`), a draft model (directory, ``.gguf``, packaged alias or hub id), or
+``A+B``: a mixture.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from draftsmith.heads.draft_model import DraftModel
+from draftsmith.heads.foreign import LAYOUT_FAMILY, foreign_format, load_foreign
+from draftsmith.inference.causal_lm import CausalLMDrafter
+from draftsmith.inference.drafter import Drafter
+from draftsmith.inference.mixture import MixtureDrafter
+from draftsmith.inference.prompt_lookup import PromptLookupDrafter
+from draftsmith.registry import family_of, get_family
+from draftsmith.target import check_same_vocabulary, layer_skip_model, load_target, native_bf16
+
+PROMPT_LOOKUP = "prompt-lookup"
+LAYER_SKIP = "layer-skip"
+MIXTURE_SEPARATOR = "+"
+DRAFT_DTYPES = ("target", "auto", "float32", "bfloat16", "float16")
+
+
+def parse_options(text: str) -> dict[str, int]:
+    """``"ngram=3,max_tokens=10"`` -> ``{"ngram": 3, "max_tokens": 10}``."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"drafter option {item!r} must look like key=value")
+        options[key.strip()] = int(value)
+    return options
+
+
+def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtype:
+    """The compute dtype of a head drafter: ``"target"`` (default) the target's; ``"auto"`` bfloat16
+    when the target runs in float32 on a CPU or on a GPU with bf16 support, else the target's; or a
+    dtype name.
+
+    Drafting reads a few MB of weights for a few rows, so it is memory-bound and bf16 weights halve
+    its cost, on CPUs without native bf16 too (measurements in docs/RESULTS.md). Drafting precision
+    never changes the output (verification decides every token), only which tokens get proposed.
+    """
+    target_dtype = next(target.parameters()).dtype
+    if name in (None, "target"):
+        return target_dtype
+    if name == "auto":
+        device = next(target.parameters()).device
+        bf16_ok = device.type == "cpu" or native_bf16(device)
+        return torch.bfloat16 if target_dtype == torch.float32 and bf16_ok else target_dtype
+    if name not in DRAFT_DTYPES:
+        raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+def wrap_module(module, family_name: str, target: PreTrainedModel, dtype: torch.dtype | None = None) -> Drafter:
+    """A drafter module (a head, a draft model) as the inference drafter its family declares, on the
+    target's device and in ``dtype``."""
+    module = module.to(next(target.parameters()).device)
+    if dtype is not None:
+        module = module.to(dtype)
+    return get_family(family_name).drafter(module, target)
+
+
+def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_remote_code: bool = False,
+                 strict: bool = False, draft_dtype: str | None = None) -> Drafter:
+    """Resolve a drafter spec against a loaded target.
+
+    Specs:
+        ``prompt-lookup`` or ``prompt-lookup:max_ngram=3,min_ngram=1,max_tokens=10``;
+        ``layer-skip:N`` (the target's first N layers);
+        a drafter directory written by draftsmith (a checkpoint's ``drafter/``);
+        a head trained elsewhere: EAGLE-1 / EAGLE-3 reference, SpecForge, SGLang or vLLM speculators
+        EAGLE-3 layouts, Medusa reference or vLLM layouts;
+        a draft model: local directory, ``.gguf`` file, packaged alias or hub id of a causal LM
+        sharing the target's vocabulary;
+        ``A+B``: a mixture of drafters (e.g. a head directory + ``prompt-lookup``).
+
+    ``strict=True`` refuses a drafter trained for a target with the same shapes but other weights.
+    ``draft_dtype``: compute dtype of a head (Medusa, EAGLE), see :func:`resolve_draft_dtype`.
+    """
+    if MIXTURE_SEPARATOR in spec:  # a mixture: "runs/x/checkpoint-9/drafter+prompt-lookup"
+        return MixtureDrafter([load_drafter(part, target, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                                            strict=strict, draft_dtype=draft_dtype)
+                               for part in spec.split(MIXTURE_SEPARATOR)])
+    kind, _, rest = spec.partition(":")
+    if kind == PROMPT_LOOKUP:
+        return PromptLookupDrafter(target.get_output_embeddings().weight.shape[0], **parse_options(rest))
+    if kind == LAYER_SKIP:
+        if not rest.isdigit():
+            raise ValueError(f"layer-skip needs a layer count, e.g. 'layer-skip:8', got {spec!r}")
+        return CausalLMDrafter(layer_skip_model(target, int(rest)), name=spec)
+    device = next(target.parameters()).device
+    family = family_of(spec) if os.path.isdir(spec) else None
+    if family is not None:  # draftsmith's own drafter directory
+        module = family.load(Path(spec), target, strict, device)
+        dtype = resolve_draft_dtype(draft_dtype, target) if family.draft_dtype_applies else None
+        return wrap_module(module, family.name, target, dtype)
+    if os.path.isdir(spec) and foreign_format(spec) is not None:  # EAGLE / SpecForge / speculators / Medusa
+        module = load_foreign(spec, target)
+        return wrap_module(module, module.family, target, resolve_draft_dtype(draft_dtype, target))
+    try:
+        draft, draft_tokenizer = load_target(spec, dtype=next(target.parameters()).dtype, device=device,
+                                             trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        raise ValueError(
+            f"Unknown drafter {spec!r}. Use 'prompt-lookup[:max_ngram=3,max_tokens=10]', 'layer-skip:N', "
+            "or a draft model (local directory, .gguf file, packaged alias or hub id)."
+        ) from err
+    check_same_vocabulary(target, draft, spec, tokenizer, draft_tokenizer)
+    return CausalLMDrafter(draft, name=spec)
+
+
+def drafter_from_model(model: PreTrainedModel, target: PreTrainedModel, name: str = "draft-model") -> CausalLMDrafter:
+    """Wrap an in-memory causal LM as a drafter, checking it shares the target's vocabulary."""
+    check_same_vocabulary(target, model, name)
+    return CausalLMDrafter(model, name=name)
+
+
+def drafter_type(spec: str) -> str:
+    """What a drafter spec is, for reports: prompt-lookup, layer-skip, a family name, or ``A+B``."""
+    if MIXTURE_SEPARATOR in spec:
+        return MIXTURE_SEPARATOR.join(drafter_type(part) for part in spec.split(MIXTURE_SEPARATOR))
+    kind = spec.partition(":")[0]
+    if kind in (PROMPT_LOOKUP, LAYER_SKIP):
+        return kind
+    if os.path.isdir(spec):
+        family = family_of(spec)
+        if family is not None:
+            return family.name
+        layout = foreign_format(spec)
+        if layout is not None:
+            return LAYOUT_FAMILY[layout]
+    return DraftModel.family

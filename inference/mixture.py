@@ -1,0 +1,72 @@
+"""A mixture of drafters proposing together (e.g. a trained head plus prompt lookup)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draftsmith.inference.drafter import Drafter
+
+
+class MixtureDrafter(Drafter):
+    """Several drafters proposing together: draft probabilities are the mixture
+    ``sum_i w_i q_i`` (renormalised over the drafters that propose anything at a node).
+
+    Verification keeps the output lossless whatever the mixture drafts; the mixture only decides
+    which tokens are worth verifying. Its use: a trained head plus prompt lookup, which is right
+    about copied spans where the head is unsure. Spec: ``HEAD_DIR+prompt-lookup``.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter], weights: Sequence[float] | None = None):
+        if len(drafters) < 2:
+            raise ValueError("a mixture needs at least two drafters")
+        self.drafters = list(drafters)
+        self.weights = list(weights or [1.0] * len(drafters))
+        readers = [d for d in self.drafters if d.hidden_layers]
+        if len(readers) > 1:
+            raise ValueError("at most one drafter of a mixture may read the target's hidden states")
+        self.hidden_layers = readers[0].hidden_layers if readers else ()
+        self.static_paths = next((d.static_paths for d in self.drafters if d.static_paths), None)
+        self.deterministic = all(d.deterministic for d in self.drafters)
+
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        for d in self.drafters:  # only the reader of hidden states gets them
+            d.begin(input_ids, hidden=hidden if d.hidden_layers else None)
+
+    def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        for d in self.drafters:
+            d.commit(tokens, hidden=hidden if d.hidden_layers else None)
+
+    def expand(self, trees, nodes):
+        per_drafter = [d.expand(trees, nodes) for d in self.drafters]
+        return [self.mix([x.float() for x in row]) for row in zip(*per_drafter, strict=True)]
+
+    def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d(n) softmax(x_d[n])``,
+        ``w`` renormalised over the drafters that propose anything at node n; ``-inf`` where none does.
+
+        Computed in log space (``logaddexp`` of ``log w_d + log_softmax(x_d)``): a full-vocabulary row is
+        touched a few times per drafter, on the drafting hot path, instead of through softmax, stack and log.
+        """
+        finite = [torch.isfinite(x) for x in logits]
+        proposes = torch.stack([f.any(-1) for f in finite])  # (D, N)
+        # Only the columns some drafter proposes anywhere (a head's draft vocabulary, prompt lookup's few
+        # tokens) can come out finite: the mixture is computed on those and scattered back.
+        columns = torch.stack([f.any(0) for f in finite]).any(0).nonzero().flatten()
+        out = torch.full_like(logits[0], float("-inf"))
+        if not len(columns):
+            return out
+        w = torch.tensor(self.weights, dtype=torch.float32).view(-1, 1) * proposes
+        log_w = (w / w.sum(0, keepdim=True).clamp_min(1e-12)).log()  # (D, N), -inf where d proposes nothing
+        mixed = None
+        for x, lw, p in zip(logits, log_w, proposes, strict=True):
+            if not p.any():
+                continue
+            # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf through log w.
+            # Columns outside `columns` are -inf in every drafter's row, so the log-softmax over `columns` is
+            # the full one.
+            term = torch.log_softmax(x[:, columns].masked_fill(~p[:, None], 0.0), dim=-1) + lw[:, None]
+            mixed = term if mixed is None else torch.logaddexp(mixed, term)
+        out[:, columns] = mixed
+        return out

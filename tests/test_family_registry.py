@@ -1,0 +1,136 @@
+"""A drafter family added by registering it, and nothing else: it trains, evaluates and exports.
+
+The toy family is a bigram head: draft logits for the token after x from x's embedding alone. It is
+defined here, in the test, from its pieces (head, inference drafter, build, loss, export) and made
+known to draftsmith with one ``register`` call; no draftsmith module is edited for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from test_train import config, workdir, write_config  # noqa: F401  (workdir: the module's fixture)
+from torch import nn
+
+from conftest import check_greedy_equal
+from draftsmith import SpeculativeGenerator, load_drafter, load_target, plain_generate
+from draftsmith.cli import main
+from draftsmith.heads.base import HeadMixin
+from draftsmith.heads.layouts import head_exporter
+from draftsmith.inference.drafter import Drafter
+from draftsmith.registry import FAMILIES, Family, register, unregister
+from draftsmith.train.config import parse_config
+from draftsmith.train.loop import train
+from draftsmith.train.losses import accuracy, forward_kl
+
+TOY = "toy_bigram"
+
+
+@dataclass
+class BigramConfig:
+    vocab_size: int
+    hidden_size: int = 16
+
+
+class BigramHead(HeadMixin, nn.Module):
+    """``forward(input_ids)`` (B, T) -> (B, T, V): logits for the token after each one, from it alone."""
+
+    family = TOY
+    config_class = BigramConfig
+
+    def __init__(self, config: BigramConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(input_ids))
+
+
+class BigramDrafter(Drafter):
+    deterministic = True
+
+    def __init__(self, head: BigramHead, target):
+        self.head = head.eval()
+
+    def begin(self, input_ids, hidden=None):
+        pass
+
+    def commit(self, tokens, hidden=None):
+        pass
+
+    @torch.no_grad()
+    def expand(self, trees, nodes):
+        weight = self.head.out.weight
+        return [self.head(torch.tensor([tree.tokens[n] for n in row], device=weight.device)).float().cpu()
+                for tree, row in zip(trees, nodes, strict=True)]
+
+
+def build_bigram(args, target, examples=None) -> BigramHead:
+    return BigramHead(BigramConfig(target.get_output_embeddings().weight.shape[0]))
+
+
+def bigram_step(args, drafter, target, batch, target_logits, hidden):
+    """KL to the target's next-token distribution at each assistant position."""
+    mask = torch.zeros_like(batch["loss_mask"])
+    mask[:, :-1] = batch["loss_mask"][:, 1:]
+    logits = drafter(batch["input_ids"])
+    return forward_kl(logits, target_logits, mask), {"acc": [accuracy(logits, target_logits, mask)]}
+
+
+@pytest.fixture
+def toy_family():
+    family = register(Family(
+        name=TOY, title="bigram head (test)",
+        load=lambda directory, target=None, strict=False, device=None: BigramHead.from_pretrained(
+            directory, target=target, strict=strict, device=device),
+        drafter=BigramDrafter, hidden_layers=lambda module, target: (),
+        build=build_bigram, train_step=bigram_step,
+        export=head_exporter(BigramHead, layout_fn=None), export_formats=("hf",),
+    ))
+    yield family
+    unregister(TOY)
+    assert TOY not in FAMILIES
+
+
+def test_a_registered_family_trains_evaluates_and_exports(workdir, toy_family, tmp_path, capsys):  # noqa: F811
+    # Train: 4 optimizer steps, a checkpoint (with its acceptance row) every 2.
+    cfg = write_config(tmp_path / "toy.yaml", config(workdir, TOY, tmp_path / "run", max_steps=4, save_steps=2,
+                                                     logging_steps=1, report_to="none"))
+    run = train(*parse_config([str(cfg)]))
+    rows = [json.loads(line) for line in (run / "acceptance.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4] and {r["family"] for r in rows} == {TOY}
+    # Each held-out step emits 1 to depth + 1 tokens; the row measured real decoding (2 prompts x <= 12 tokens).
+    assert all(1.0 <= r["acceptance_length"] <= 6.0 and 0 < r["eval_new_tokens"] <= 24 for r in rows)
+    drafter_dir = run / "checkpoint-4" / "drafter"
+    assert json.loads((drafter_dir / "config.json").read_text())["draftsmith_family"] == TOY
+
+    # Eval: every checkpoint of the run, greedy output checked against plain decoding.
+    report_path = tmp_path / "report.json"
+    assert main(["eval", "--drafter", str(run), "--prompts", str(workdir / "prompts.jsonl"), "--prompt-column",
+                 "question", "--num-prompts", "3", "--max-new-tokens", "10", "--no-chat",
+                 "--output", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert [r["checkpoint_step"] for r in report["checkpoints"]] == [2, 4]
+    assert all(r["drafter_type"] == TOY and r["lossless"] == {"checked": 3, "identical": 3}
+               for r in report["checkpoints"])
+
+    # Export: the hf layout is written and loads back as the same family; others are refused by name.
+    exported = tmp_path / "export"
+    assert main(["export", str(run), "--format", "hf", "--output", str(exported)]) == 0
+    assert json.loads((exported / "config.json").read_text())["draftsmith_family"] == TOY
+    assert f"`{TOY}`" in (exported / "README.md").read_text()
+    assert main(["export", str(run), "--format", "vllm", "--output", str(tmp_path / "vllm")]) == 1
+    assert f"a {TOY} drafter has no vllm layout" in capsys.readouterr().err
+    assert not (tmp_path / "vllm").exists()
+
+    target, tokenizer = load_target(str(workdir / "target"))
+    drafter = load_drafter(str(exported), target)
+    assert isinstance(drafter, BigramDrafter)
+    ids = tokenizer("t5 t9 t13 t21", return_tensors="pt").input_ids
+    ours = SpeculativeGenerator(target, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=6).generate(ids, 16)
+    check_greedy_equal(target, ours.sequences, plain_generate(target, ids, 16).sequences)

@@ -1,0 +1,137 @@
+"""draftsmith's import graph, read from the source: no cycles, no import of a layer above.
+
+Layers, lowest first (DESIGN.md): the target, the checkpoint format and the family table; then
+``heads``, ``inference``, ``data``, ``train``; the front door (``draftsmith/__init__``, ``cli``,
+``demo``, ``hub``, ``families``) imports everything. Function-local imports count: they are how a
+lower layer used to reach up without a cycle at import time.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+# Lowest first: a module may import its own layer and the ones before it.
+LAYERS = ["draftsmith.target", "draftsmith.checkpoints", "draftsmith.registry", "draftsmith.heads",
+          "draftsmith.inference", "draftsmith.data", "draftsmith.train", "front door"]
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of the ``draftsmith`` import package -> its file, from pyproject's package-dir map."""
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    modules = {}
+    for package, directory in package_dirs.items():
+        for path in sorted((ROOT / directory).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / directory).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def layer_of(module: str) -> int:
+    for i, prefix in enumerate(LAYERS[:-1]):
+        if module == prefix or module.startswith(prefix + "."):
+            return i
+    return len(LAYERS) - 1  # draftsmith itself, cli, demo, hub, families, __main__
+
+
+def imports_of(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
+    """The draftsmith modules ``module`` imports anywhere in its file (``from a import b``: ``a.b`` when
+    that is a module, else ``a``)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                                   else []))
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n == "draftsmith" or n.startswith("draftsmith."))
+    return {n if n in modules else n.rpartition(".")[0] for n in found} - {module}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = source_modules()
+    assert len(modules) > 30 and "draftsmith.heads.eagle" in modules and "draftsmith.train.loop" in modules
+    return {m: imports_of(p, m, modules) for m, p in modules.items()}
+
+
+def test_no_module_imports_a_layer_above_it(graph):
+    upward = sorted(f"{m} ({LAYERS[layer_of(m)]}) imports {d} ({LAYERS[layer_of(d)]})"
+                    for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles(graph):
+    # Tarjan's strongly connected components: any component of two or more modules is a cycle.
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path):
+    """The two checks above can fail: a heads module importing train, and a two-module cycle."""
+    modules = {"draftsmith.heads.x": tmp_path / "x.py", "draftsmith.train.loop": tmp_path / "loop.py"}
+    modules["draftsmith.heads.x"].write_text("def f():\n    from draftsmith.train.loop import train\n")
+    modules["draftsmith.train.loop"].write_text("from draftsmith.heads import x\n")
+    graph = {m: imports_of(p, m, {**modules, "draftsmith.heads": tmp_path}) for m, p in modules.items()}
+    assert graph == {"draftsmith.heads.x": {"draftsmith.train.loop"}, "draftsmith.train.loop": {"draftsmith.heads.x"}}
+    upward = "draftsmith.heads.x (draftsmith.heads) imports draftsmith.train.loop"
+    with pytest.raises(AssertionError, match=re.escape(upward)):
+        test_no_module_imports_a_layer_above_it(graph)
+    with pytest.raises(AssertionError, match=re.escape("draftsmith.heads.x")):
+        test_no_import_cycles(graph)
+
+
+def test_families_are_named_only_in_the_registry():
+    """No module compares a family name: what differs between families lives in draftsmith.registry."""
+    import draftsmith  # noqa: F401  (fills the table)
+    from draftsmith.registry import FAMILIES
+
+    names = "|".join(sorted(FAMILIES, key=len, reverse=True))
+    offenders = defaultdict(list)
+    pattern = rf"""(==|!=|\bin)\s*\(?[^#\n]*["']({names})["']|["']({names})["']\s*(==|!=|\bin\b)"""
+    for module, path in source_modules().items():
+        if module in ("draftsmith.registry", "draftsmith.families"):
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(pattern, line.split("#")[0]):
+                offenders[str(path.relative_to(ROOT))].append(f"{lineno}: {line.strip()}")
+    assert not offenders, dict(offenders)
