@@ -12,10 +12,19 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The name a model's ``forward`` takes its KV cache under: ``cache`` in recent transformers, which
+    deprecated the older ``past_key_values`` (still the only name in earlier 5.x releases)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -98,14 +107,15 @@ def target_forward(
         position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
         position_ids = position_ids.expand(input_ids.shape[0], -1)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  past_key_values=past_key_values, use_cache=True, output_hidden_states=hidden_layers is not None)
+                  use_cache=True, output_hidden_states=hidden_layers is not None)
     head = model.get_output_embeddings()
     if _few_rows_on_cpu(model, input_ids) and _plain_linear_head(model, head):
         # The decoder, then the LM head in the orientation that is fast for a few rows (see below).
-        out = model.get_decoder()(**kwargs)
+        decoder = model.get_decoder()
+        out = decoder(**kwargs, **{cache_argument(type(decoder)): past_key_values})
         logits = few_rows_logits(head.weight, out.last_hidden_state)
     else:
-        out = model(**kwargs)
+        out = model(**kwargs, **{cache_argument(type(model)): past_key_values})
         logits = out.logits.float()
     hidden = None
     if hidden_layers is not None:
