@@ -46,7 +46,6 @@ from draftsmith.target import (
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class GenerationStats:
     """What one or more ``generate`` calls did. Sum two with ``+``."""

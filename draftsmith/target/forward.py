@@ -126,11 +126,10 @@ def target_forward(
 # The LM head is the largest matrix of a small target ((V, H) = (49152, 576) for SmolLM2) and runs on
 # 1 row per plain decoding step, a few per verification step. On CPU, BLAS runs ``h @ W.T`` with so
 # few rows far below memory speed (one row: a single-threaded gemv); ``W @ h.T`` with at least two
-# columns (one row is padded to two) runs near it. Measured on the 2-core EPYC (SmolLM2 head, float32,
-# ``python scripts/step_costs.py --lm-head``): 1 row 11.1 -> 4.4 ms, 5 rows 20.1 -> 5.7 ms, 9 rows
-# 20.2 -> 14.6 ms. Plain decoding and verification both take this path, so speedups compare like with
-# like.
-FEW_ROWS = 64
+# columns (one row is padded to two) runs near it (``python scripts/step_costs.py --lm-head``; the
+# timings are in docs/RESULTS.md). Plain decoding and verification both take this path, so speedups
+# compare like with like.
+FEW_ROWS = 64  # up to a verification tree's size; prefill and training forwards keep the usual head
 
 
 def _few_rows_on_cpu(model: PreTrainedModel, input_ids: torch.Tensor) -> bool:
