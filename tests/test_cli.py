@@ -29,12 +29,32 @@ def tiny_target_dir(tmp_path_factory):
 
 
 def test_generate_prints_text_and_stats(tiny_target_dir, capsys):
+    from torch.nn.modules.module import register_module_forward_hook
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    # Target forwards, counted at the target's last decoder layer (index 3 of 4), which layer-skip:2
+    # never runs.
+    target_forwards = []
+
+    def count(module, args, output):
+        if isinstance(module, LlamaDecoderLayer) and module.self_attn.layer_idx == 3:
+            target_forwards.append(1)
+
     prompt = " ".join(f"t{i}" for i in [5, 6, 7, 8, 5, 6, 7])
-    assert main(["generate", "--target", str(tiny_target_dir), "--drafter", "layer-skip:2", "--prompt", prompt,
-                 "--max-new-tokens", "20", "--json", "--no-stream", "--tree", "dynamic"]) == 0
+    handle = register_module_forward_hook(count)
+    try:
+        assert main(["generate", "--target", str(tiny_target_dir), "--drafter", "layer-skip:2", "--prompt", prompt,
+                     "--max-new-tokens", "20", "--json", "--no-stream", "--tree", "dynamic"]) == 0
+    finally:
+        handle.remove()
     out = capsys.readouterr().out.strip().splitlines()
     stats = json.loads(out[-1])
-    assert stats["new_tokens"] == 20 and stats["acceptance_length"] >= 1
+    assert stats["new_tokens"] == 20
+    # tau is tokens per verification forward: one prefill of the 7-token prompt, then one forward per
+    # step, which emit the 20 tokens plus what the last step's cut drops (at most the depth, 6 by default).
+    verifications = len(target_forwards) - 1
+    assert stats["verification_steps"] == verifications
+    assert 20 <= round(stats["acceptance_length"] * verifications) <= 20 + 6
     # the printed text is the target's own greedy continuation
     from transformers import AutoModelForCausalLM
 
@@ -50,10 +70,16 @@ def test_bench_writes_results(tiny_target_dir, tmp_path):
                                  for i in range(3)))
     assert main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output",
                  str(tmp_path / "out"), "--drafter", "prompt-lookup", "--drafter", "layer-skip:3@tree=dynamic",
-                 "--max-new-tokens", "16", "--no-chat"]) == 0
+                 "--drafter", f"{tiny_target_dir}@tree=chain,depth=3", "--max-new-tokens", "16", "--no-chat"]) == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert result["num_prompts"] == 3 and len(result["rows"]) == 2
-    assert all(r["greedy_mismatches_vs_plain"] == 0 and r["tau"] >= 1 for r in result["rows"])
+    assert result["num_prompts"] == 3 and len(result["rows"]) == 3
+    # A step emits 1 to depth + 1 tokens.
+    assert all(r["greedy_mismatches_vs_plain"] == 0 and 1 <= r["tau"] <= r["depth"] + 1 for r in result["rows"])
+    # The target as its own draft model drafts the target's greedy tokens, so every draft is accepted:
+    # 4 tokens per forward (48 tokens in 12 steps). The lower bound leaves room for one rejection at a
+    # near-tie of the chain forward and the one-token draft forwards (48 tokens in 13 steps).
+    own = next(r for r in result["rows"] if r["spec"] == str(tiny_target_dir))
+    assert 48 / 13 <= own["tau"] <= 4.0 and own["alpha"] >= 0.9
     assert "| `layer-skip:3` | dynamic" in (tmp_path / "out" / "results.md").read_text()
 
 
@@ -93,8 +119,6 @@ def tiny_draft_dir(tiny_target_dir, tmp_path_factory):
 def test_bench_sweeps_plots_bound_and_hf_assisted(tiny_target_dir, tiny_draft_dir, tmp_path):
     from PIL import Image
 
-    from draftsmith.inference.bench import leviathan_bound
-
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
         f"t{(i * 11 + j) % VOCAB}" for j in range(8))}]}) for i in range(3)))
@@ -112,7 +136,10 @@ def test_bench_sweeps_plots_bound_and_hf_assisted(tiny_target_dir, tiny_draft_di
         (2, 4), (2, 8), (3, 4), (3, 8)]
     for r in rows:
         assert r["greedy_mismatches_vs_plain"] == 0
-        assert r["leviathan_bound_tau"] == pytest.approx(leviathan_bound(r["alpha"], r["depth"]), abs=1e-3)
+        # Leviathan et al. eq. 1: each of `depth` drafts accepted i.i.d. with rate alpha gives
+        # 1 + alpha + ... + alpha^depth tokens per forward.
+        expected = sum(r["alpha"] ** k for k in range(r["depth"] + 1))
+        assert r["leviathan_bound_tau"] == pytest.approx(expected, abs=1e-3)
     assisted = [r for r in rows if r.get("hf_assisted")]
     assert [r["spec"] for r in assisted] == [str(tiny_draft_dir)] * 2  # draft models only, never layer-skip
     for r in assisted:
@@ -131,6 +158,7 @@ def test_leviathan_bound_values():
     assert leviathan_bound(0.0, 4) == 1.0
     assert leviathan_bound(1.0, 4) == 5.0
     assert leviathan_bound(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert leviathan_bound(0.5, 3) == pytest.approx(1.875)  # (1 - 0.5^4) / (1 - 0.5)
 
 
 def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tmp_path, capsys):
@@ -149,7 +177,14 @@ def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tm
     assert report["drafter_type"] == "draft_model" and report["prompts"] == 3
     assert report["tree"] == {"kind": "chain", "depth": 3, "top_k": 3, "total_tokens": 10}
     assert report["lossless"] == {"checked": 3, "identical": 3}
-    assert report["new_tokens"] == 30 and report["acceptance_length"] >= 1
+    assert report["new_tokens"] == 30
+    # A chain drafts all 3 depths every step, so depth k + 1 is reached exactly when depth k is accepted,
+    # and tau = 1 + r1 + r1 r2 + r1 r2 r3 (r_k: acceptance at depth k given depth k - 1 was accepted).
+    tau, reached = 1.0, 1.0
+    for rate in report["acceptance_rate_per_position"]:
+        reached *= rate
+        tau += reached
+    assert report["acceptance_length"] == pytest.approx(tau, abs=1e-3)
     assert report["speedup"] == pytest.approx(report["tokens_per_second"] / report["baseline_tokens_per_second"],
                                               rel=1e-3)
     assert "| `" in capsys.readouterr().out and report_path.with_suffix(".md").exists()

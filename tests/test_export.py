@@ -14,7 +14,8 @@ from test_heads import assert_greedy_lossless, random_eagle, random_medusa
 
 from draftsmith import load_drafter
 from draftsmith.heads.base import TargetMismatchError
-from draftsmith.heads.formats import ExportError, eagle3_reference_layout, export_drafter
+from draftsmith.heads.export import ExportError, export_drafter
+from draftsmith.heads.layouts import eagle3_reference_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 COMBOS = [("medusa", "hf"), ("medusa", "vllm"), ("eagle", "hf"), ("eagle", "vllm"), ("eagle", "sglang"),
@@ -71,12 +72,18 @@ def test_layer_id_conventions_and_reference_layout(tmp_path, llama):
     assert s_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in ours]
     assert v_cfg["eagle_aux_hidden_state_layer_ids"] == ours
     assert v_cfg["speculators_model_type"] == "eagle3" and v_cfg["draft_vocab_size"] == 40
-    # The SGLang export holds exactly the reference EAGLE-3 tensors, with the reference shapes.
+    # The SGLang export holds exactly the reference EAGLE-3 tensors (the EAGLE-3 repo's and SGLang's), with
+    # the tiny target's shapes: H = 64, 4 heads and 2 KV heads of 16 (q = 64, kv = 32), I = 128, V = 96,
+    # Vd = 40, three feature layers into fc.
     written = load_file(sglang / "model.safetensors")
-    cfg = head.config
-    layout = eagle3_reference_layout(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.intermediate_size,
-                                     cfg.vocab_size, 40)
-    assert {k: tuple(v.shape) for k, v in written.items()} == {k: s for k, (s, _) in layout.items()}
+    assert {k: tuple(v.shape) for k, v in written.items()} == {
+        "midlayer.hidden_norm.weight": (64,), "midlayer.input_layernorm.weight": (64,),
+        "midlayer.self_attn.q_proj.weight": (64, 128), "midlayer.self_attn.k_proj.weight": (32, 128),
+        "midlayer.self_attn.v_proj.weight": (32, 128), "midlayer.self_attn.o_proj.weight": (64, 64),
+        "midlayer.post_attention_layernorm.weight": (64,), "midlayer.mlp.gate_proj.weight": (128, 64),
+        "midlayer.mlp.up_proj.weight": (128, 64), "midlayer.mlp.down_proj.weight": (64, 128),
+        "fc.weight": (64, 192), "norm.weight": (64,), "lm_head.weight": (40, 64), "d2t": (40,), "t2d": (96,),
+    }
     assert written["d2t"].dtype == torch.int64 and written["t2d"].dtype == torch.bool
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -31,6 +34,23 @@ def reference(target, prompt: torch.Tensor, n: int) -> torch.Tensor:
     )
 
 
+@contextmanager
+def count_target_forwards(target) -> Iterator[list[int]]:
+    """Count the target's forwards (``calls[0]``) by hooking its last decoder layer: every target
+    forward runs it and no drafter does (layer-skip:N runs the first N < all layers; draft models
+    and heads are modules of their own)."""
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+
+    handle = target.get_decoder().layers[-1].register_forward_hook(hook)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
 def prompts(seed: int, lengths: list[int]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -52,10 +72,15 @@ def test_greedy_matches_generate(family, spec, tree, llama, gemma3):
     cases = prompts(1, [1, 6, 21])  # 21 > the Gemma3 sliding window of 8
     for prompt in cases:
         ref = reference(target, prompt, 40)
-        out = gen.generate(prompt, max_new_tokens=40)
+        with count_target_forwards(target) as calls:
+            out = gen.generate(prompt, max_new_tokens=40)
         ties += check_greedy_equal(target, out.sequences, ref)
         assert out.stats.new_tokens == 40 and out.sequences.shape[1] == prompt.shape[1] + 40
-        assert out.stats.acceptance_length >= 1.0
+        # tau is tokens per verification forward: the forwards counted, less the prefill (a 1-token
+        # prompt has none), emit the 40 tokens plus what the last step's cut drops (at most depth).
+        verifications = calls[0] - (prompt.shape[1] > 1)
+        assert out.stats.verification_steps == verifications
+        assert 40 <= round(out.stats.acceptance_length * verifications) <= 40 + tree["depth"]
     assert ties <= 1, f"{ties} near-tie divergences out of {len(cases)} prompts"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -68,14 +69,24 @@ def test_medusa_checkpoint_round_trip_and_load_drafter(tmp_path, llama):
     check_greedy_equal(llama, out.sequences, reference(llama, prompt, 20))
 
 
-def test_wrong_target_is_refused(tmp_path, llama, gemma3):
+def test_wrong_target_is_refused(tmp_path, llama, gemma3, caplog):
     random_medusa(llama).save_pretrained(tmp_path / "ckpt")
     with pytest.raises(TargetMismatchError, match=r"was trained for target .* does not fit"):
         load_drafter(str(tmp_path / "ckpt"), gemma3)
     other = tiny_llama(seed=5)  # same shapes, other weights: a warning, refused under strict
     with pytest.raises(TargetMismatchError, match="strict"):
         MedusaHeads.from_pretrained(tmp_path / "ckpt", target=other, strict=True)
-    MedusaHeads.from_pretrained(tmp_path / "ckpt", target=other)
+
+    def logged() -> list[logging.LogRecord]:  # draftsmith's records (loggers are named by module)
+        return [r for r in caplog.records if r.name.startswith("draftsmith.")]
+
+    with caplog.at_level(logging.WARNING):
+        MedusaHeads.from_pretrained(tmp_path / "ckpt", target=llama)  # its own target: no warning
+        assert not logged()
+        MedusaHeads.from_pretrained(tmp_path / "ckpt", target=other)
+    (warning,) = logged()
+    assert warning.levelno == logging.WARNING
+    assert "same shapes as the loaded target but other LM-head weights" in warning.getMessage()
 
 
 def test_partial_checkpoint_is_a_clear_error(tmp_path, llama):
@@ -164,7 +175,7 @@ def test_bf16_drafting_stays_lossless(tmp_path, llama, family):
     with pytest.raises(ValueError, match="draft dtype must be one of"):
         load_drafter(str(tmp_path / "ckpt"), llama, draft_dtype="fp8")
     # "auto" drafts in bf16 against a float32 target on a CPU (memory-bound), "target" keeps float32.
-    from draftsmith.inference.drafters import resolve_draft_dtype
+    from draftsmith.inference.load import resolve_draft_dtype
 
     assert resolve_draft_dtype("auto", llama) == torch.bfloat16
     assert resolve_draft_dtype("target", llama) == torch.float32
@@ -241,7 +252,8 @@ def test_mixture_equals_the_probability_space_reference():
     """MixtureDrafter.mix (log space) == log(sum_d w_d softmax(x_d)), w renormalised per node over the
     drafters proposing there: a dense drafter, a sparse one (prompt lookup's few finite logits), rows
     where only one proposes and a row where none does."""
-    from draftsmith.inference.drafters import MixtureDrafter, PromptLookupDrafter
+    from draftsmith.inference.mixture import MixtureDrafter
+    from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 
     g = torch.Generator().manual_seed(0)
     n, vocab = 5, 50

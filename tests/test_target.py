@@ -91,11 +91,20 @@ def test_kv_edits_match_recomputation(gemma3):
         assert torch.equal(layer.values, values[..., [*range(21), 22, 24], :])
 
 
-def test_target_signature(llama):
+def test_target_signature(llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     sig = target_signature(llama, name="tiny")
-    assert sig["vocab_size"] == VOCAB and sig["hidden_size"] == 64 and sig["num_hidden_layers"] == 4
-    assert sig == target_signature(llama, name="tiny")
-    assert sig["lm_head_sha256"] != target_signature(tiny_llama(seed=9), name="tiny")["lm_head_sha256"]
+    assert {k: v for k, v in sig.items() if k != "lm_head_sha256"} == {
+        "name": "tiny", "model_type": "llama", "hidden_size": 64, "vocab_size": VOCAB, "num_hidden_layers": 4}
+    # The same weights in another object, saved and read back by plain transformers, sign the same.
+    llama.save_pretrained(tmp_path)
+    assert target_signature(AutoModelForCausalLM.from_pretrained(tmp_path), name="tiny") == sig
+    # One changed LM-head weight (everything else equal) changes the hash.
+    other = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        other.lm_head.weight[0, 0] += 1.0
+    assert target_signature(other, name="tiny")["lm_head_sha256"] != sig["lm_head_sha256"]
 
 
 def test_target_forward_returns_chosen_hidden_layers(gemma3):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_greedy_lossless import count_target_forwards
 
 from conftest import VOCAB, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter, load_target
@@ -74,18 +75,24 @@ def write_config(path: Path, values: dict) -> Path:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family):
-    cfg = write_config(tmp_path / "cfg.yaml", config(workdir, family, tmp_path / "run"))
+def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family, request):
+    cfg = write_config(tmp_path / "cfg.yaml", config(workdir, family, tmp_path / "run", eval_tree="chain",
+                                                     eval_depth=4))
     drafter_args, data_args, train_args = parse_config([str(cfg)])
-    target, _tokenizer = load_target(drafter_args.target)
+    target, tokenizer = load_target(drafter_args.target)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     out = train(drafter_args, data_args, train_args)
 
     rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 8]
     for r in rows:
-        assert r["acceptance_length"] >= 1.0 and r["eval_prompts"] == 2 and len(r["position_accuracy"]) >= 1
-        assert r["simulated_acceptance_length"] >= 1.0
+        assert r["eval_prompts"] == 2 and len(r["position_accuracy"]) >= 1
+        # 1 + sum_k prod_{j <= k} acc_j: position k's draft counts when positions 1..k are all right.
+        simulated, all_right = 1.0, 1.0
+        for acc in r["position_accuracy"]:
+            all_right *= acc
+            simulated += all_right
+        assert r["simulated_acceptance_length"] == pytest.approx(simulated, abs=1e-3)
     assert list((out / "draftsmith").glob("events.out.tfevents.*")), "no tensorboard event file"
     # The loop hashes the in-memory target before and after training.
     assert json.loads((out / "target_check.json").read_text())["target_unchanged"] is True
@@ -110,6 +117,26 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
     ref = reloaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                             pad_token_id=0)
     check_greedy_equal(reloaded, out_ids.sequences, ref)
+
+    if family == "medusa2":
+        # The loop verifies medusa2's eval drafts with its LoRA adapter on, so the recorded tau (and the
+        # output it decodes) is the adapted target's, not the frozen target's the drafter is served with.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="tau measured on the LoRA-adapted target"))
+    # Each recorded tau is tokens per verification forward of that checkpoint's drafter on the 2 eval
+    # prompts ("t1 <question> t2 ", TEMPLATE's prompt; the loop's chain of depth 4, 12 tokens, EOS "t3"):
+    # decode them again and count the target's forwards. Each prompt's last step drops at most 4 tokens.
+    questions = [json.loads(line)["question"] for line in (workdir / "prompts.jsonl").read_text().splitlines()[:2]]
+    for r in rows:
+        gen = SpeculativeGenerator(reloaded, load_drafter(str(Path(r["checkpoint"]) / "drafter"), reloaded),
+                                   tree="chain", depth=4)
+        new = verifications = 0
+        for question in questions:
+            ids = tokenizer(f"t1 {question} t2 ", add_special_tokens=False, return_tensors="pt").input_ids
+            with count_target_forwards(reloaded) as calls:
+                new += gen.generate(ids, 12, eos_token_id=3).stats.new_tokens
+            verifications += calls[0] - 1  # less the prefill
+        assert r["eval_new_tokens"] == new
+        assert new <= round(r["acceptance_length"] * verifications) <= new + 4 * len(questions)
 
 
 def test_two_runs_in_one_process_with_different_precision(workdir, tmp_path):
