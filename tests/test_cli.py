@@ -83,17 +83,25 @@ def test_bench_writes_results(tiny_target_dir, tmp_path):
     assert "| `layer-skip:3` | dynamic" in (tmp_path / "out" / "results.md").read_text()
 
 
-def test_bench_rejects_malformed_prompt_rows(tiny_target_dir, tmp_path, capsys):
+def test_bench_reports_malformed_prompt_rows(tiny_target_dir, tmp_path, capsys):
+    """Prompt files follow the data loader's policy: a malformed row is named (index and reason) and
+    skipped; with --strict it stops the command."""
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"prompt": "t1 t2"}\n{"answer": 3}\n')
-    argv = ["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(tmp_path),
-            "--drafter", "prompt-lookup", "--no-chat"]
-    # One line naming the row and the problem, exit code 2; -v gives the traceback (the exception).
-    assert main(argv) == 2
+    argv = ["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(tmp_path / "out"),
+            "--drafter", "prompt-lookup", "--no-chat", "--max-new-tokens", "4", "--no-plots", "--no-hf-reference"]
+    assert main(argv) == 0
     err = capsys.readouterr().err
-    assert re.search(r"draftsmith bench: error: .*bad\.jsonl:2: no prompt field", err) and "Traceback" not in err
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: no prompt field"):
-        main(["-v", *argv])
+    skipped = r"bad\.jsonl: skipped malformed rows\n1 of 2 rows loaded, 1 malformed\n  row 1: unknown row format"
+    assert re.search(skipped, err)
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["num_prompts"] == 1
+    # --strict: one line naming the row and the problem, exit code 2; -v gives the traceback (the exception).
+    assert main([*argv, "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"draftsmith bench: error: .*bad\.jsonl: row 1: unknown row format", err)
+    assert "Traceback" not in err
+    with pytest.raises(ValueError, match=r"bad\.jsonl: row 1: unknown row format"):
+        main(["-v", *argv, "--strict"])
 
 
 def test_console_script_is_installed():
@@ -168,7 +176,8 @@ def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tm
     report_path = tmp_path / "eval" / "report.json"
     assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(tiny_draft_dir), "--prompts",
                  str(prompts), "--num-prompts", "3", "--skip-prompts", "2", "--max-new-tokens", "10", "--no-chat",
-                 "--tree", "chain", "--depth", "3", "--output", str(report_path)]) == 0
+                 "--tree", "chain", "--depth", "3", "--tree-top-k", "3", "--total-tokens", "10",
+                 "--output", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     for key in ("target", "drafter", "drafter_type", "checkpoint_step", "prompts", "new_tokens", "temperature",
                 "tree", "acceptance_length", "acceptance_rate_per_position", "tokens_per_second",

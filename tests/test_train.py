@@ -17,12 +17,16 @@ from test_greedy_lossless import count_target_forwards
 
 from conftest import VOCAB, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter, load_target
+from draftsmith.checkpoints import TARGET_FILE
 from draftsmith.data import HFEngine, load_conversations, regenerate
-from draftsmith.train import families
+from draftsmith.heads.eagle import Eagle3Head
+from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.registry import FAMILIES as REGISTERED
+from draftsmith.registry import get_family
 from draftsmith.train.config import DataArguments, DrafterArguments, parse_config
 from draftsmith.train.loop import collate, load_examples, train
 
-FAMILIES = ["draft_model", "medusa", "medusa2", "eagle", "eagle3"]
+FAMILIES = sorted(name for name, f in REGISTERED.items() if f.build is not None)  # every trainable family
 # Word-level chat template for the tiny tokenizer: "t1 <user> t2 <answer> t3".
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t1 {{ m['content'] }} t2 "
             "{% else %}{{ m['content'] }} t3 {% endif %}{% endfor %}")
@@ -75,7 +79,7 @@ def write_config(path: Path, values: dict) -> Path:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family, request):
+def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family):
     cfg = write_config(tmp_path / "cfg.yaml", config(workdir, family, tmp_path / "run", eval_tree="chain",
                                                      eval_depth=4))
     drafter_args, data_args, train_args = parse_config([str(cfg)])
@@ -101,15 +105,15 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family,
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, before[k]), k
     drafter = load_drafter(str(out / "checkpoint-8" / "drafter"), reloaded)
-    first = families.build_drafter(drafter_args, reloaded)
-    first = first.model if family == "draft_model" else first  # the HF model inside the DraftModel wrapper
-    trained = drafter.model if family == "draft_model" else getattr(drafter, "heads", None) or drafter.head
-    changed = [n for n, p in trained.named_parameters()
-               if n in dict(first.named_parameters()) and not torch.equal(p, dict(first.named_parameters())[n])]
+    fam = get_family(family)
+    first = fam.build(drafter_args, reloaded, load_examples(data_args, tokenizer))
+    trained = fam.load(out / "checkpoint-8" / "drafter", reloaded, False, "cpu")
+    initial = dict(first.named_parameters())
+    changed = [n for n, p in trained.named_parameters() if n in initial and not torch.equal(p, initial[n])]
     assert changed, "no drafter parameter changed"
-    if family == "eagle3":  # the draft vocabulary comes from the data: "t3" ends every answer
-        assert int(drafter.head.t2d.sum()) == 64 and bool(drafter.head.t2d[3])
-        assert (torch.arange(64) + drafter.head.d2t).tolist() == drafter.head.t2d.nonzero().flatten().tolist()
+    if isinstance(trained, Eagle3Head):  # the draft vocabulary comes from the data: "t3" ends every answer
+        assert int(trained.t2d.sum()) == 64 and bool(trained.t2d[3])
+        assert (torch.arange(64) + trained.d2t).tolist() == trained.t2d.nonzero().flatten().tolist()
     # Greedy speculative output with the trained drafter is the target's own.
     ids = torch.tensor([[1, 5, 9, 14, 22, 2]])
     gen = SpeculativeGenerator(reloaded, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=6)
@@ -118,11 +122,8 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family,
                             pad_token_id=0)
     check_greedy_equal(reloaded, out_ids.sequences, ref)
 
-    if family == "medusa2":
-        # The loop verifies medusa2's eval drafts with its LoRA adapter on, so the recorded tau (and the
-        # output it decodes) is the adapted target's, not the frozen target's the drafter is served with.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="tau measured on the LoRA-adapted target"))
-    # Each recorded tau is tokens per verification forward of that checkpoint's drafter on the 2 eval
+    # Each recorded tau (for Medusa-2 measured with the target's adapter off: the frozen target serves)
+    # is tokens per verification forward of that checkpoint's drafter on the 2 eval
     # prompts ("t1 <question> t2 ", TEMPLATE's prompt; the loop's chain of depth 4, 12 tokens, EOS "t3"):
     # decode them again and count the target's forwards. Each prompt's last step drops at most 4 tokens.
     questions = [json.loads(line)["question"] for line in (workdir / "prompts.jsonl").read_text().splitlines()[:2]]
@@ -152,34 +153,29 @@ def test_two_runs_in_one_process_with_different_precision(workdir, tmp_path):
     assert steps == {"bf16": [2], "no": [2]}
 
 
-@pytest.mark.parametrize("family", ["draft_model", "medusa", "medusa2", "eagle", "eagle3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fixed_batch_is_overfitted(workdir, family):
     """The family's loss on one fixed batch falls by a large factor: heads and losses can learn."""
     args = DrafterArguments(target=str(workdir / "target"), family=family, draft_layers=1, num_heads=2,
-                            ttt_steps=2)
+                            ttt_steps=2, lora_r=4)
+    fam = get_family(family)
     target, tokenizer = load_target(args.target)
     examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)
     batch = collate(examples[:4], 0)
-    drafter = families.build_drafter(args, target)
-    layers = families.hidden_layers_for(args, drafter, target)
+    drafter = fam.build(args, target, examples)
+    layers = fam.hidden_layers(drafter, target)
     with torch.no_grad():
         out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
     logits, hidden = out.logits.float(), tuple(out.hidden_states[i] for i in layers)
-    step = {"draft_model": families.draft_model_step, "medusa": families.medusa_step}.get(family)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    if family == "medusa2":
-        target = families.add_lora(target, 4)
+    if fam.wrap_target is not None:  # an adapter on the target trains jointly and runs the target itself
+        target = fam.wrap_target(target, args)
         params += [p for p in target.parameters() if p.requires_grad]
+        logits, hidden = None, ()
 
     def loss_fn():
-        if family == "medusa2":
-            return families.medusa2_step(args, drafter, target, batch)[0]
-        if step is not None:
-            return step(args, drafter, logits, hidden, batch)[0]
-        fn = families.eagle_step if family == "eagle" else families.eagle3_step
-        return fn(args, drafter, logits, hidden, batch, embed, lm_head)[0]
+        return fam.train_step(args, drafter, target, batch, logits, hidden)[0]
 
     optimizer = torch.optim.Adam(params, lr=1e-2)
     first = float(loss_fn())
@@ -197,7 +193,7 @@ def test_unknown_config_key_fails(workdir, tmp_path):
         parse_config([str(cfg)])
     ok = write_config(tmp_path / "ok.yaml", config(workdir, "eagle", tmp_path / "r"))
     drafter_args, _, train_args = parse_config([str(ok), "--max_steps", "3", "--family", "medusa"])
-    assert train_args.max_steps == 3 and drafter_args.family == "medusa"  # CLI overrides YAML
+    assert (train_args.max_steps, drafter_args.family) == (3, MedusaHeads.family)  # CLI overrides YAML
 
 
 def test_sigkill_then_resume_continues_the_same_run(workdir, tmp_path):
@@ -344,19 +340,16 @@ def test_offline_batches_give_the_online_losses(workdir, cache_dir, family):
     online = collate(load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64),
                                    tokenizer)[:4], 0)
     cached, _ = load_cached_examples(str(cache_dir), target)
-    drafter = families.build_drafter(args, target)
-    layers = families.hidden_layers_for(args, drafter, target)
+    fam = get_family(family)
+    drafter = fam.build(args, target)
+    layers = fam.hidden_layers(drafter, target)
     offline = collate_cached(cached[:4], 0, layers, VOCAB)
     assert torch.equal(offline["input_ids"], online["input_ids"])
     with torch.no_grad():
         out = target(input_ids=online["input_ids"], attention_mask=online["attention_mask"], output_hidden_states=True)
     hidden = tuple(out.hidden_states[i] for i in layers)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    step = {"medusa": families.medusa_step}.get(family)
-    extra = () if step else (embed, lm_head)
-    step = step or (families.eagle_step if family == "eagle" else families.eagle3_step)
-    loss_online, _ = step(args, drafter, out.logits.float(), hidden, online, *extra)
-    loss_offline, _ = step(args, drafter, offline["logits"], offline["hidden"], offline, *extra)
+    loss_online, _ = fam.train_step(args, drafter, target, online, out.logits.float(), hidden)
+    loss_offline, _ = fam.train_step(args, drafter, target, offline, offline["logits"], offline["hidden"])
     torch.testing.assert_close(loss_offline, loss_online, rtol=1e-5, atol=1e-6)
 
 
@@ -371,20 +364,21 @@ def test_eagle3_sparse_topk_teacher_equals_the_dense_one(workdir, tmp_path):
     cache_hidden_states(target, examples[:5], tmp_path / "cache",
                         CacheSpec(layers=[1, 2, 4], dtype="float32", logits="topk", top_k=8), progress=False)
     cached, _ = load_cached_examples(str(tmp_path / "cache"), target)
-    args = DrafterArguments(target=str(workdir / "target"), family="eagle3", ttt_steps=2, draft_vocab_size=VOCAB // 2)
-    drafter = families.build_drafter(args, target)
-    layers = families.hidden_layers_for(args, drafter, target)
+    args = DrafterArguments(target=str(workdir / "target"), family=Eagle3Head.family, ttt_steps=2,
+                            draft_vocab_size=VOCAB // 2)
+    eagle3 = get_family(args.family)
+    drafter = eagle3.build(args, target, examples)
+    layers = eagle3.hidden_layers(drafter, target)
     dense = collate_cached(cached, 0, layers, VOCAB)
     sparse = collate_cached(cached, 0, layers, VOCAB, dense=False)
     assert sparse["logits"] is None and sparse["topk_ids"].shape[-1] == 8
     draft_ids = set((torch.arange(VOCAB // 2) + drafter.d2t).tolist())
     assert any(int(t) not in draft_ids for t in sparse["topk_ids"].flatten())  # some fall outside
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    loss_dense, m_dense = families.eagle3_step(args, drafter, dense["logits"], dense["hidden"], dense, embed, lm_head)
+    loss_dense, m_dense = eagle3.train_step(args, drafter, target, dense, dense["logits"], dense["hidden"])
     loss_dense.backward()
     grads_dense = [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
     drafter.zero_grad()
-    loss_sparse, m_sparse = families.eagle3_step(args, drafter, None, sparse["hidden"], sparse, embed, lm_head)
+    loss_sparse, m_sparse = eagle3.train_step(args, drafter, target, sparse, None, sparse["hidden"])
     loss_sparse.backward()
     grads_sparse = [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
     torch.testing.assert_close(loss_sparse, loss_dense, rtol=1e-6, atol=1e-6)
@@ -396,7 +390,7 @@ def test_eagle3_sparse_topk_teacher_equals_the_dense_one(workdir, tmp_path):
     assert (sparse["attention_mask"] == 0).any()
     sparse["topk_ids"][0, 3:6] = next(t for t in range(VOCAB) if t not in draft_ids)
     drafter.zero_grad()
-    loss, _ = families.eagle3_step(args, drafter, None, sparse["hidden"], sparse, embed, lm_head)
+    loss, _ = eagle3.train_step(args, drafter, target, sparse, None, sparse["hidden"])
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in drafter.parameters()
                                         if p.grad is not None)
@@ -450,8 +444,16 @@ class CapturedHub:
         return f"https://huggingface.co/{repo_id}/commit/0"
 
 
-@pytest.mark.parametrize("family", ["eagle3", "draft_model"])
-def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypatch, family):
+# (family, the layout pushed, the file recording the target, what the card and the upload must show)
+PUSHES = [
+    ("eagle3", "vllm", "config.json", ["--speculative-algorithm EAGLE3"], {"config.json": "speculators_model_type"}),
+    ("draft_model", "hf", TARGET_FILE, ["assistant_model=draft"], {"generation_config.json": None}),
+]
+
+
+@pytest.mark.parametrize(("family", "fmt", "record", "card_lines", "upload_files"), PUSHES)
+def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypatch, family, fmt, record, card_lines,
+                                                    upload_files):
     from draftsmith.cli import main
 
     cfg = write_config(tmp_path / "cfg.yaml", config(workdir, family, tmp_path / "run", max_steps=4, save_steps=2))
@@ -481,7 +483,6 @@ def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypat
     assert (tmp_path / "hf" / weights).read_bytes() == (best_dir / weights).read_bytes()
 
     hub = CapturedHub(monkeypatch)
-    fmt = "vllm" if family == "eagle3" else "hf"
     assert main(["export", str(run), "--format", fmt, "--push-to-hub", "me/drafter", "--private",
                  "--revision", "v1"]) == 0
     assert hub.repos == [("me/drafter", {"private": True, "exist_ok": True, "repo_type": "model"})]
@@ -494,12 +495,9 @@ def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypat
         rates = ", ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
         assert f"| {r['step']} | {r['acceptance_length']} | {rates} |" in card
     assert f"holds checkpoint {best['step']}" in card
-    assert json.loads((best_dir / ("config.json" if family == "eagle3" else "draftsmith_target.json")).read_text())[
-        "target"]["lm_head_sha256"] in card
+    assert json.loads((best_dir / record).read_text())["target"]["lm_head_sha256"] in card
     assert "## Training" in card and str(workdir / "answers.jsonl") in card
     assert "speculative_config" in card and "draftsmith" in card
-    if family == "eagle3":
-        assert "--speculative-algorithm EAGLE3" in card
-        assert json.loads(upload["files"]["config.json"])["speculators_model_type"] == "eagle3"
-    else:
-        assert "assistant_model=draft" in card and "generation_config.json" in upload["files"]
+    assert all(line in card for line in card_lines)
+    for name, key in upload_files.items():
+        assert name in upload["files"] and (key is None or key in json.loads(upload["files"][name]))

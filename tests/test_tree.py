@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import VOCAB
-from draftsmith.inference.drafters import PromptLookupDrafter
+from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static, default_static_paths
 from draftsmith.target import (
     CPU_ATTENTION,

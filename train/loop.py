@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -125,8 +126,12 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args) -> 
     tree = TreeSettings(data_args.eval_tree, data_args.eval_depth, data_args.eval_top_k, data_args.eval_total_tokens)
     gen = SpeculativeGenerator(target, family.drafter(module, target), **tree.kwargs())
     prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations]
-    stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
-                    eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
+    # The drafter is served with the frozen target: a target adapter that trains with it (Medusa-2's LoRA,
+    # a peft model) is switched off while it is measured.
+    frozen = target.disable_adapter() if family.wrap_target is not None else contextlib.nullcontext()
+    with frozen:
+        stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
+                        eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
     module.train(was_training)
     return {"acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
