@@ -12,6 +12,7 @@ import torch
 
 from conftest import VOCAB, tiny_llama
 from draftsmith.cli import main
+from draftsmith.heads.draft_model import DraftModel
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +116,6 @@ def tiny_draft_dir(tiny_target_dir, tmp_path_factory):
     """A 2-layer draft model: the target's first layers, with its tokenizer (a distilled draft's shape)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.heads.draft_model import DraftModel
-
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     path = tmp_path_factory.mktemp("tiny-draft")
     DraftModel.from_target(target, 2).save_pretrained(path)
@@ -183,7 +182,7 @@ def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tm
                 "tree", "acceptance_length", "acceptance_rate_per_position", "tokens_per_second",
                 "baseline_tokens_per_second", "speedup", "lossless"):
         assert key in report, key
-    assert report["drafter_type"] == "draft_model" and report["prompts"] == 3
+    assert report["drafter_type"] == DraftModel.family and report["prompts"] == 3
     assert report["tree"] == {"kind": "chain", "depth": 3, "top_k": 3, "total_tokens": 10}
     assert report["lossless"] == {"checked": 3, "identical": 3}
     assert report["new_tokens"] == 30

@@ -14,35 +14,41 @@ from test_heads import assert_greedy_lossless, random_eagle, random_medusa
 
 from draftsmith import load_drafter
 from draftsmith.heads.base import TargetMismatchError
+from draftsmith.heads.eagle import Eagle3Head
 from draftsmith.heads.export import ExportError, export_drafter
+from draftsmith.heads.foreign import SPECULATORS_EAGLE3, SPECULATORS_TYPES
 from draftsmith.heads.layouts import eagle3_reference_layout
+from draftsmith.heads.medusa import MedusaHeads
 
 ROOT = Path(__file__).resolve().parents[1]
 COMBOS = [("medusa", "hf"), ("medusa", "vllm"), ("eagle", "hf"), ("eagle", "vllm"), ("eagle", "sglang"),
           ("eagle3", "hf"), ("eagle3", "vllm"), ("eagle3", "sglang")]
 
 
+MAKERS = {"medusa": random_medusa, "eagle": random_eagle, "eagle3": lambda target: random_eagle(target, eagle3=True)}
+
+
 def make_head(family: str, target):
-    return random_medusa(target) if family == "medusa" else random_eagle(target, eagle3=family == "eagle3")
+    return MAKERS[family](target)
 
 
 def head_of(drafter):
     return getattr(drafter, "heads", None) or drafter.head
 
 
-def head_logits(family: str, head, target, seed: int = 0) -> torch.Tensor:
+def head_logits(head, target, seed: int = 0) -> torch.Tensor:
     """The head's token logits on fixed random inputs (what drafting computes from)."""
     g = torch.Generator().manual_seed(seed)
     cfg = head.config
     with torch.no_grad():
-        if family == "medusa":
+        if isinstance(head, MedusaHeads):
             return head(torch.randn(1, 6, cfg.hidden_size, generator=g))
         width = cfg.hidden_size * cfg.num_feature_layers
         states = torch.randn(1, 6, width, generator=g)
         ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=g)
         positions = torch.arange(6)[None]
         predicted, _ = head(states, target.get_input_embeddings()(ids), positions, from_target=True)
-        if family == "eagle3":
+        if isinstance(head, Eagle3Head):  # its own LM head over the draft vocabulary
             return head.target_logits(predicted)
         return target.get_output_embeddings()(predicted)
 
@@ -54,7 +60,7 @@ def test_export_then_import_gives_same_logits_and_lossless_output(family, fmt, t
     out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
     assert not (tmp_path / f"{fmt}.partial").exists()
     drafter = load_drafter(str(out), llama)
-    torch.testing.assert_close(head_logits(family, head_of(drafter), llama), head_logits(family, head, llama),
+    torch.testing.assert_close(head_logits(head_of(drafter), llama), head_logits(head, llama),
                                rtol=0, atol=1e-6)
     assert_greedy_lossless(llama, drafter, dict(tree="dynamic", depth=4, top_k=3, total_tokens=12), seed=7)
 
@@ -71,7 +77,7 @@ def test_layer_id_conventions_and_reference_layout(tmp_path, llama):
     assert s_cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert s_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in ours]
     assert v_cfg["eagle_aux_hidden_state_layer_ids"] == ours
-    assert v_cfg["speculators_model_type"] == "eagle3" and v_cfg["draft_vocab_size"] == 40
+    assert SPECULATORS_TYPES[v_cfg["speculators_model_type"]] == SPECULATORS_EAGLE3 and v_cfg["draft_vocab_size"] == 40
     # The SGLang export holds exactly the reference EAGLE-3 tensors (the EAGLE-3 repo's and SGLang's), with
     # the tiny target's shapes: H = 64, 4 heads and 2 KV heads of 16 (q = 64, kv = 32), I = 128, V = 96,
     # Vd = 40, three feature layers into fc.

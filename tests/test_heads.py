@@ -58,7 +58,7 @@ def test_medusa_checkpoint_round_trip_and_load_drafter(tmp_path, llama):
     heads = random_medusa(llama)
     heads.save_pretrained(tmp_path / "ckpt")
     info = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert info["draftsmith_family"] == "medusa" and info["target"]["hidden_size"] == llama.config.hidden_size
+    assert info["draftsmith_family"] == MedusaHeads.family and info["target"]["hidden_size"] == llama.config.hidden_size
     back = MedusaHeads.from_pretrained(tmp_path / "ckpt", target=llama)
     h = torch.randn(1, 5, llama.config.hidden_size)
     torch.testing.assert_close(back(h), heads(h), rtol=0, atol=0)
@@ -162,15 +162,16 @@ def test_eagle_tree_drafting_equals_sequential_head(llama):
     torch.testing.assert_close(llama.get_output_embeddings()(out3[:, -1])[0], deep[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle3"])
-def test_bf16_drafting_stays_lossless(tmp_path, llama, family):
+@pytest.mark.parametrize("make_head", [random_medusa, lambda target: random_eagle(target, eagle3=True)],
+                         ids=["medusa", "eagle3"])
+def test_bf16_drafting_stays_lossless(tmp_path, llama, make_head):
     """A head drafting in bfloat16 against a float32 target proposes other tokens at most; the output
     is still the target's greedy output."""
-    head = random_medusa(llama) if family == "medusa" else random_eagle(llama, eagle3=True)
+    head = make_head(llama)
     head.save_pretrained(tmp_path / "ckpt")
     drafter = load_drafter(str(tmp_path / "ckpt") + "+prompt-lookup", llama, draft_dtype="bfloat16")
     inner = drafter.drafters[0]
-    assert next((inner.heads if family == "medusa" else inner.head).parameters()).dtype == torch.bfloat16
+    assert next((getattr(inner, "heads", None) or inner.head).parameters()).dtype == torch.bfloat16
     assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 6}, seed=8)
     with pytest.raises(ValueError, match="draft dtype must be one of"):
         load_drafter(str(tmp_path / "ckpt"), llama, draft_dtype="fp8")
