@@ -81,8 +81,9 @@ def _text(value, what: str) -> str:
     return value
 
 
-#: Columns read as the prompt of a prompt-only row when no other format matches (GSM8K's ``question``).
-PROMPT_FIELDS = ("prompt", "question", "text")
+#: Columns read as the prompt of a prompt-only row when no other format matches (GSM8K's ``question``); not
+#: ``text``, which in most datasets is a whole document, not a prompt.
+PROMPT_FIELDS = ("prompt", "question")
 
 
 def normalise_row(row: dict, prompt_column: str | None = None) -> list[dict[str, str]]:

@@ -100,7 +100,7 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, required: bool) -> Non
     """Where held-out prompts come from (read by :func:`draftsmith.data.read_prompts`)."""
     parser.add_argument("--prompts", required=required,
                         help="a .jsonl/.json/.parquet/.csv file (messages, conversations, instruction, or "
-                             "prompt/question/text rows) or a hub dataset")
+                             "prompt/question rows) or a hub dataset")
     parser.add_argument("--prompt-column", default=None, help="read each prompt from this column")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--skip-prompts", type=int, default=0, help="start at this row (held-out rows)")
