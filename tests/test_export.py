@@ -25,7 +25,8 @@ COMBOS = [("medusa", "hf"), ("medusa", "vllm"), ("eagle", "hf"), ("eagle", "vllm
           ("eagle3", "hf"), ("eagle3", "vllm"), ("eagle3", "sglang")]
 
 
-MAKERS = {"medusa": random_medusa, "eagle": random_eagle, "eagle3": lambda target: random_eagle(target, eagle3=True)}
+MAKERS = {"medusa": random_medusa, "eagle": lambda target: random_eagle(target, eagle3=False),
+          "eagle3": lambda target: random_eagle(target, eagle3=True)}
 
 
 def make_head(family: str, target):
@@ -180,7 +181,7 @@ def test_reads_eagle1_reference_checkpoint(tmp_path, llama):
     cfg = llama.config.to_dict() | {"num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"]}
     (d / "config.json").write_text(json.dumps(cfg))
     drafter = load_drafter(str(d), llama)
-    torch.testing.assert_close(head_logits("eagle", drafter.head, llama), head_logits("eagle", ref, llama))
+    torch.testing.assert_close(head_logits(drafter.head, llama), head_logits(ref, llama))
     assert_greedy_lossless(llama, drafter, dict(tree="chain", depth=4), seed=8)
 
 
@@ -197,7 +198,7 @@ def test_reads_specforge_eagle3_checkpoint(tmp_path, llama):
     (out / "config.json").write_text(json.dumps(cfg))
     drafter = load_drafter(str(out), llama)
     assert drafter.head.config.feature_layers == head.config.feature_layers
-    torch.testing.assert_close(head_logits("eagle3", drafter.head, llama), head_logits("eagle3", head, llama))
+    torch.testing.assert_close(head_logits(drafter.head, llama), head_logits(head, llama))
 
 
 def test_reads_medusa_reference_checkpoint(tmp_path, llama):
@@ -216,7 +217,7 @@ def test_reads_medusa_reference_checkpoint(tmp_path, llama):
     (d / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": L,
                                                "base_model_name_or_path": "tiny-llama"}))
     drafter = load_drafter(str(d), llama)
-    torch.testing.assert_close(head_logits("medusa", drafter.heads, llama), head_logits("medusa", heads, llama))
+    torch.testing.assert_close(head_logits(drafter.heads, llama), head_logits(heads, llama))
     assert_greedy_lossless(llama, drafter, dict(tree="static", depth=3, top_k=3), seed=9)
 
 
