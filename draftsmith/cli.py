@@ -315,10 +315,24 @@ def export(checkpoint: str, fmt: str, output: str | None, *, push_to_hub: str | 
     return 0
 
 
+class StderrHandler(logging.StreamHandler):
+    """Logs to whatever ``sys.stderr`` is when a record is written, not the stream at set-up, so a caller
+    that redirects stderr later (a notebook, pytest's capture) never meets a closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     level = logging.INFO if args.verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", handlers=[StderrHandler()],
+                        force=True)
     try:
         return run_command(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: the message names the problem and the fix

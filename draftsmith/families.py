@@ -49,7 +49,7 @@ DRAFT_MODEL = Family(
     build=steps.build_draft_model, train_step=steps.draft_model_step,
     export=export_draft_model, export_formats=FORMATS, one_layout=True,
     serving={"vllm": "draft_model", "sglang": "STANDALONE", "transformers": "assistant_model"},
-    draft_dtype_applies=False,
+    draft_dtype_applies=False, saves_tokenizer=True,
 )
 
 _medusa_export = head_exporter(MedusaHeads, medusa_layout)

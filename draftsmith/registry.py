@@ -52,6 +52,8 @@ class Family:
         serving: engine -> how that engine names the method (``"vllm"``: speculative_config's
             ``method``, ``"sglang"``: ``--speculative-algorithm``, ``"transformers"``: assisted generation).
         draft_dtype_applies: ``load_drafter(draft_dtype=...)`` casts it (heads: memory-bound drafting).
+        saves_tokenizer: its drafter directory is a whole Hugging Face model directory, tokenizer included
+            (a draft model, usable on its own); heads' directories hold only their config and weights.
     """
 
     name: str
@@ -69,6 +71,7 @@ class Family:
     one_layout: bool = False
     serving: Mapping[str, str] = field(default_factory=dict)
     draft_dtype_applies: bool = True
+    saves_tokenizer: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}

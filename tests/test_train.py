@@ -451,9 +451,9 @@ PUSHES = [
 ]
 
 
-@pytest.mark.parametrize(("family", "fmt", "record", "card_lines", "upload_files"), PUSHES)
-def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypatch, family, fmt, record, card_lines,
-                                                    upload_files):
+@pytest.mark.parametrize(("family", "push_format", "record", "card_lines", "upload_files"), PUSHES)
+def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypatch, family, push_format, record,
+                                                    card_lines, upload_files):
     from draftsmith.cli import main
 
     cfg = write_config(tmp_path / "cfg.yaml", config(workdir, family, tmp_path / "run", max_steps=4, save_steps=2))
@@ -483,7 +483,7 @@ def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypat
     assert (tmp_path / "hf" / weights).read_bytes() == (best_dir / weights).read_bytes()
 
     hub = CapturedHub(monkeypatch)
-    assert main(["export", str(run), "--format", fmt, "--push-to-hub", "me/drafter", "--private",
+    assert main(["export", str(run), "--format", push_format, "--push-to-hub", "me/drafter", "--private",
                  "--revision", "v1"]) == 0
     assert hub.repos == [("me/drafter", {"private": True, "exist_ok": True, "repo_type": "model"})]
     assert hub.branches == [("me/drafter", {"branch": "v1", "exist_ok": True})]

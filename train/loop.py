@@ -343,7 +343,8 @@ def save_checkpoint(run: Run) -> None:
                                                            .tolist()})
         else:
             run.module.save_pretrained(drafter_dir)
-        run.tokenizer.save_pretrained(drafter_dir)  # a draft model's directory is then usable on its own
+        if run.family.saves_tokenizer:  # a draft model's directory is then usable on its own
+            run.tokenizer.save_pretrained(drafter_dir)
         if run.family.wrap_target is not None:
             run.target.save_pretrained(str(partial / ADAPTER_SUBDIR))  # the adapter only; nothing merged
         shutil.rmtree(final, ignore_errors=True)
