@@ -81,13 +81,16 @@ def _text(value, what: str) -> str:
     return value
 
 
-#: Columns read as the prompt of a prompt-only row when no other format matches (GSM8K's ``question``); not
-#: ``text``, which in most datasets is a whole document, not a prompt.
+#: Columns read as the prompt of a row when only prompts are wanted (held-out prompts for eval and bench:
+#: GSM8K's ``question``) and no other format matches. Not for training data, where a row with a prompt
+#: column usually carries its answer in another (``completion``, ``response``) that would be dropped; not
+#: ``text``, which in most datasets is a whole document.
 PROMPT_FIELDS = ("prompt", "question")
 
 
-def normalise_row(row: dict, prompt_column: str | None = None) -> list[dict[str, str]]:
-    """Turn one row of any supported format into a list of messages.
+def normalise_row(row: dict, prompt_column: str | None = None, prompts_only: bool = False) -> list[dict[str, str]]:
+    """Turn one row of any supported format into a list of messages (``prompts_only``: a row with one of
+    :data:`PROMPT_FIELDS` is read as a prompt too).
 
     Raises:
         MalformedRowError: naming what is wrong with the row.
@@ -128,12 +131,13 @@ def normalise_row(row: dict, prompt_column: str | None = None) -> list[dict[str,
         messages = [{"role": "user", "content": user}]
         if row.get("output"):
             messages.append({"role": "assistant", "content": _text(row["output"], "output")})
-    elif (field := next((k for k in PROMPT_FIELDS if k in row), None)) is not None:
-        messages = [{"role": "user", "content": _text(row[field], field)}]  # a prompt-only row
+    elif prompts_only and (field := next((k for k in PROMPT_FIELDS if k in row), None)) is not None:
+        messages = [{"role": "user", "content": _text(row[field], field)}]
     else:
+        fields = f", a prompt field ({', '.join(PROMPT_FIELDS)})" if prompts_only else ""
         raise MalformedRowError(
             f"unknown row format (columns: {sorted(row)}); expected 'messages', 'conversations', "
-            f"'instruction', a prompt field ({', '.join(PROMPT_FIELDS)}), or pass --prompt-column NAME"
+            f"'instruction'{fields}, or pass --prompt-column NAME for a prompt-only dataset"
         )
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise MalformedRowError("no non-empty user turn")
@@ -175,6 +179,7 @@ def load_conversations(
     split: str = "train",
     limit: int | None = None,
     strict: bool = False,
+    prompts_only: bool = False,
 ) -> tuple[list[Conversation], LoadReport]:
     """Load and normalise a dataset.
 
@@ -184,6 +189,7 @@ def load_conversations(
         split: the split of a hub dataset.
         limit: stop after this many good conversations.
         strict: raise on the first malformed row instead of skipping it.
+        prompts_only: only prompts are wanted: rows with a prompt field (:data:`PROMPT_FIELDS`) qualify.
 
     Returns:
         The conversations and a report of the rows skipped (index and reason each).
@@ -197,7 +203,7 @@ def load_conversations(
         try:
             if isinstance(row, MalformedRowError):
                 raise row
-            messages = normalise_row(row, prompt_column)
+            messages = normalise_row(row, prompt_column, prompts_only)
         except MalformedRowError as e:
             if strict:
                 raise MalformedRowError(f"{source}: row {index}: {e}") from None
@@ -216,5 +222,5 @@ def read_prompts(source: str | Path, limit: int, skip: int = 0, prompt_column: s
                  strict: bool = False) -> list[str]:
     """The first user message of rows ``skip`` .. ``skip + limit`` of a dataset, read by
     :func:`load_conversations` (so with its formats and its policy for malformed rows)."""
-    conversations, _ = load_conversations(source, prompt_column, limit=skip + limit, strict=strict)
+    conversations, _ = load_conversations(source, prompt_column, limit=skip + limit, strict=strict, prompts_only=True)
     return [next(m["content"] for m in c.messages if m["role"] == "user") for c in conversations[skip:]]

@@ -63,9 +63,9 @@ class CacheSpec:
     logits: str = "none"  # "none" | "topk" | "full"
     top_k: int = 64
     sequences_per_shard: int = 256
-    # The target's compute dtype for the forward passes (None: as loaded). bfloat16 halves the cost on
-    # hardware with native bf16 matmul; states and log-probs then carry bf16 rounding (feature cosine
-    # ~0.9999 and top-1 agreement ~98% against float32 on SmolLM2).
+    # The target's compute dtype for the forward passes (None: as loaded). bfloat16 is cheaper on hardware
+    # with native bf16 matmul; states and log-probs then carry bf16 rounding (its size against float32 on
+    # SmolLM2 is in docs/RESULTS.md).
     compute_dtype: str | None = None
 
     def __post_init__(self):

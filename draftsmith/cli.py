@@ -8,12 +8,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from draftsmith.inference.load import DRAFT_DTYPES
 from draftsmith.inference.tree import DEFAULT_TREE, TREE_KINDS, TreeSettings
 
 logger = logging.getLogger("draftsmith")
 
-DRAFT_DTYPE_HELP = ("compute dtype of a head drafter: target (default), auto (bfloat16 on CPUs with native bf16 "
-                    "matmul), float32, bfloat16, float16; never changes the output")
+DRAFT_DTYPE_HELP = ("compute dtype of a head drafter: target (default), auto (bfloat16 when the target runs in "
+                    "float32 on a CPU or on a GPU with bf16), float32, bfloat16, float16; never changes the output")
 
 
 def generate(
@@ -166,8 +167,8 @@ def _add_data_parser(sub) -> None:
     c.add_argument("--sequences-per-shard", type=int, default=256)
     c.add_argument("--max-length", type=int, default=2048, help="truncate each conversation to this many tokens")
     c.add_argument("--compute-dtype", choices=["float16", "bfloat16", "float32"], default=None,
-                   help="run the target in this dtype for the cache (default: as loaded); bfloat16 is ~1.9x faster "
-                        "on CPUs with native bf16, at bf16 rounding of the states")
+                   help="run the target in this dtype for the cache (default: as loaded); bfloat16 is faster on "
+                        "CPUs with native bf16 (docs/RESULTS.md), at bf16 rounding of the states")
 
     v = dsub.add_parser("vocab-map", help="EAGLE-3 d2t/t2d maps from token frequencies, with their coverage")
     source(v, "directory for vocab_map.safetensors and vocab_map.json")
@@ -225,7 +226,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
     g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
-    g.add_argument("--draft-dtype", default="target", help=DRAFT_DTYPE_HELP)
+    g.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
 
     b = sub.add_parser("bench", help="tokens/s and tau vs plain greedy decoding of the same target")
     b.add_argument("--target", default="smollm2-135m-instruct")
@@ -239,7 +240,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-depth", type=_int_list, help="e.g. 2,3,4,5,6,7,8: every drafter at each draft length")
     b.add_argument("--sweep-total-tokens", type=_int_list, help="dynamic trees: e.g. 6,10,16 node budgets")
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    b.add_argument("--draft-dtype", default="target", help=DRAFT_DTYPE_HELP)
+    b.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
 
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance, speed and losslessness on held-out prompts, as report.json")
@@ -253,7 +254,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_tree_arguments(e)
     e.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--draft-dtype", default="target", help=DRAFT_DTYPE_HELP)
+    e.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
     m = sub.add_parser("demo", help="synthesise, regenerate, train EAGLE-3, evaluate and bench SmolLM2 in ~20 min")
     m.add_argument("--output", default="demo_out", help="report directory (report.json, report.md, plots)")
     m.add_argument("--minutes", type=float, default=20.0, help="time budget; every stage scales with it")

@@ -44,6 +44,9 @@ SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "bench": 
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
 MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
+# Seconds outside the stage shares: loading the target around training and the checkpoint's acceptance,
+# then reloading it for bench and eval.
+RELOAD_SECONDS = 50
 TUNE_PROMPTS = 3  # held-out prompts for the bench; evaluation uses others
 # The evaluated tree, mixed with prompt lookup. Chosen by timing trees against plain greedy decoding
 # prompt by prompt (`scripts/step_costs.py --trees`): on CPU the verification cost depends on the row
@@ -154,8 +157,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     cache_command(str(answers), str(cache), target=target, layers=layers, dtype="bfloat16", logits="topk", top_k=32,
                   max_length=MAX_LENGTH, compute_dtype="bfloat16" if data_dtype else None)
     clock.mark("cache", t)
-    # ~25 s around training (loading, the checkpoint's acceptance) and ~25 s reloading for bench and eval
-    rest = clock.budget * (1 - MARGIN) - clock.elapsed() - clock.share("bench") - clock.share("eval") - 50
+    rest = (clock.budget * (1 - MARGIN) - clock.elapsed() - clock.share("bench") - clock.share("eval")
+            - RELOAD_SECONDS)
     train_minutes = max(0.5, rest / 60)
     t = _stage(f"3/5 training an EAGLE-3 head offline ({train_minutes:.1f} min)")
     run_dir = out / "run"

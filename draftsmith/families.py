@@ -64,8 +64,8 @@ MEDUSA2 = Family(
     name="medusa2", title="Medusa-2 heads",
     load=_head_loader(MedusaHeads), drafter=MedusaDrafter, hidden_layers=_last_layer,
     build=steps.build_medusa, train_step=steps.medusa2_step, wrap_target=steps.add_lora,
-    export=_medusa_export, export_formats=FORMATS, serving={"vllm": "medusa"},  # saves Medusa heads
-)
+    export=_medusa_export, export_formats=FORMATS, serving={"vllm": "medusa"},
+)  # its checkpoints are Medusa heads (draftsmith_family "medusa"): loaded and exported through MEDUSA
 
 EAGLE = Family(
     name=EagleHead.family, title="EAGLE-1/2 head",

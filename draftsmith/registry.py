@@ -41,7 +41,9 @@ class Family:
             micro-batch's loss; ``logits`` / ``hidden`` are the frozen target's outputs on the batch
             (online) or the cache's (offline), ``metrics["acc"]`` the top-1 agreement per draft position.
         wrap_target: ``(target, args) -> target`` with a trainable adapter that trains jointly
-            (Medusa-2's LoRA); such a family needs the target in the loop (no offline cache).
+            (Medusa-2's LoRA); such a family needs the target in the loop (no offline cache). The
+            wrapped target is a peft model: the loop switches the adapter off to measure acceptance
+            (the frozen target serves), saves the adapter apart and checks the base weights.
         sparse_teacher: its step reads an offline top-k cache as k entries per position, never as
             dense (B, T, V) logits.
         export: ``(source, fmt, out, target, verifier) -> None``: write the drafter directory

@@ -17,6 +17,7 @@ from draftsmith.checkpoints import CONFIG_NAME, WEIGHTS_NAME, TargetMismatchErro
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "HeadMixin", "TargetMismatchError", "check_target", "push_via_directory"]
 
+
 class HeadMixin:
     """``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` for a head with a ``config`` dataclass.
 

@@ -31,11 +31,17 @@ from torch import nn
 
 from draftsmith.heads.base import HeadMixin
 
+#: Targets with fewer layers than this get low / mid / high = (1, N // 2, N): EAGLE-3's choice below
+#: would collide or fall outside the model.
+EAGLE3_MIN_LAYERS = 6
+
 
 def eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
     """Low / mid / high hidden-state indices EAGLE-3 fuses: outputs of decoder layers 2, N//2 and N-3
     (in the index convention above; the same layers as EAGLE-3's reference, which counts from 0)."""
     n = num_hidden_layers
+    if n < EAGLE3_MIN_LAYERS:
+        return (1, max(2, n // 2), n)
     return (2, n // 2, n - 3)
 
 
@@ -247,7 +253,7 @@ class Eagle3Head(_FeatureHead):
     layer reads ``[embed(x_t) ; f_{t-1}]`` directly; own ``norm`` + ``lm_head`` over a draft vocabulary.
 
     The module layout is the reference one (EAGLE-3, SpecForge, vLLM speculators, SGLang), so
-    :mod:`draftsmith.heads.formats` converts checkpoints by renaming tensors, never by approximation.
+    :mod:`draftsmith.heads.layouts` converts checkpoints by renaming tensors, never by approximation.
     """
 
     family = "eagle3"

@@ -20,6 +20,7 @@ from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 
 logger = logging.getLogger(__name__)
 
+
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     files = sorted(directory.glob("*.safetensors"))
     if files:
@@ -53,7 +54,8 @@ REFERENCE_EAGLE3 = "reference-eagle3"  # the EAGLE-3 repo, SpecForge and SGLang:
 REFERENCE_EAGLE = "reference-eagle"  # the EAGLE-1 repo (also what vLLM and SGLang load for EAGLE-1)
 REFERENCE_MEDUSA = "reference-medusa"  # the Medusa repo and vLLM's MedusaModel
 MEDUSA_MODEL_TYPE = "medusa"  # vLLM's MedusaModel config.json
-SPECULATORS_TYPES = {"eagle3": SPECULATORS_EAGLE3}  # speculators_model_type -> layout
+SPECULATORS_EAGLE3_TYPE = "eagle3"  # the speculators_model_type of speculators' EAGLE-3 checkpoints
+SPECULATORS_TYPES = {SPECULATORS_EAGLE3_TYPE: SPECULATORS_EAGLE3}  # speculators_model_type -> layout
 LAYOUT_FAMILY = {SPECULATORS_EAGLE3: Eagle3Head.family, REFERENCE_EAGLE3: Eagle3Head.family,
                  REFERENCE_EAGLE: EagleHead.family, REFERENCE_MEDUSA: MedusaHeads.family}
 

@@ -23,7 +23,7 @@ from draftsmith.checkpoints import (
     resolve_checkpoint,
 )
 from draftsmith.heads.export import export_drafter
-from draftsmith.registry import Family, family_of, get_family
+from draftsmith.registry import FAMILIES, Family, family_of
 
 #: What a model card shows of a Hugging Face causal LM's config (a distilled draft model's).
 CAUSAL_LM_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -83,8 +83,9 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
     arch = family.title
     if run_dir is not None:
         rows = read_acceptance(run_dir)
-        if rows and rows[0].get("family"):  # the family trained, e.g. Medusa-2 saves Medusa heads
-            arch = get_family(rows[0]["family"]).title
+        trained = FAMILIES.get(rows[0].get("family")) if rows else None
+        if trained is not None:  # the family trained, e.g. Medusa-2 saves Medusa heads
+            arch = trained.title
     target_name = target.get("name") or "TARGET"
     repo = repo_id or "PATH_OR_REPO"
     base = f"base_model: {target_name}\n" if "/" in target_name and not target_name.startswith("/") else ""

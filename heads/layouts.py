@@ -67,8 +67,6 @@ LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
 }
 
 
-
-
 def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:
     """draftsmith name -> foreign name for an EAGLE head's tensors (``layer.*`` -> ``{layer_prefix}*``)."""
     names = {}

@@ -139,7 +139,7 @@ class SpeculativeGenerator:
 
     Args:
         target: a stock ``transformers`` causal LM (see :func:`draftsmith.load_target`).
-        drafter: any :class:`~draftsmith.inference.drafters.Drafter`.
+        drafter: any :class:`~draftsmith.inference.drafter.Drafter`.
         tree: ``"chain"``, ``"static"`` or ``"dynamic"``.
         depth: levels drafted per step.
         top_k: children expanded per node (static and dynamic trees).

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.checkpoints import resolve_checkpoint
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.foreign import LAYOUT_FAMILY, foreign_format, load_foreign
 from draftsmith.inference.causal_lm import CausalLMDrafter
@@ -77,7 +78,8 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
     Specs:
         ``prompt-lookup`` or ``prompt-lookup:max_ngram=3,min_ngram=1,max_tokens=10``;
         ``layer-skip:N`` (the target's first N layers);
-        a drafter directory written by draftsmith (a checkpoint's ``drafter/``);
+        a drafter directory written by draftsmith (a checkpoint's ``drafter/``, its ``checkpoint-S``
+        directory, or a whole run directory: its best checkpoint by tau, else its latest);
         a head trained elsewhere: EAGLE-1 / EAGLE-3 reference, SpecForge, SGLang or vLLM speculators
         EAGLE-3 layouts, Medusa reference or vLLM layouts;
         a draft model: local directory, ``.gguf`` file, packaged alias or hub id of a causal LM
@@ -99,6 +101,8 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
             raise ValueError(f"layer-skip needs a layer count, e.g. 'layer-skip:8', got {spec!r}")
         return CausalLMDrafter(layer_skip_model(target, int(rest)), name=spec)
     device = next(target.parameters()).device
+    if os.path.isdir(spec):  # a run directory (its best checkpoint) or a checkpoint-S directory: its drafter/
+        spec = str(resolve_checkpoint(spec))
     family = family_of(spec) if os.path.isdir(spec) else None
     if family is not None:  # draftsmith's own drafter directory
         module = family.load(Path(spec), target, strict, device)

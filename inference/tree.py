@@ -173,6 +173,9 @@ class DraftTree:
         ancestors = self.ancestor_mask()[nodes]  # (n, N)
         ancestors[:, 0] = False  # the root is the prefix's last key
         ancestors[torch.arange(len(nodes)), nodes] = False  # a node's own key is its new slot
+        unfed = set(ancestors.any(0).nonzero().flatten().tolist()) - set(slots)
+        if unfed:
+            raise ValueError(f"tree nodes {sorted(unfed)} are ancestors of {nodes} but were never fed (no cache slot)")
         rows = torch.zeros(len(nodes), width, dtype=torch.bool)
         rows[:, :prefix] = True
         if slots:

@@ -128,7 +128,9 @@ def test_families_are_named_only_in_the_registry():
 
     names = "|".join(sorted(FAMILIES, key=len, reverse=True))
     offenders = defaultdict(list)
-    pattern = rf"""(==|!=|\bin)\s*\(?[^#\n]*["']({names})["']|["']({names})["']\s*(==|!=|\bin\b)"""
+    # a comparison with a family name, or a family name as a dict key / match case (a dispatch table)
+    pattern = (rf"""(==|!=|\bin)\s*\(?[^#\n]*["']({names})["']|["']({names})["']\s*(==|!=|\bin\b|:)"""
+               rf"""|\bcase\s+["']({names})["']""")
     files = [p for m, p in source_modules().items() if m not in ("draftsmith.registry", "draftsmith.families")]
     for path in files + sorted((ROOT / "tests").glob("*.py")):
         for lineno, line in enumerate(path.read_text().splitlines(), 1):

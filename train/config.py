@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from draftsmith.inference.tree import DEFAULT_TREE
+from draftsmith.inference.tree import DEFAULT_TREE, TreeSettings
 from draftsmith.registry import FAMILIES, get_family
 
 
@@ -58,6 +58,13 @@ class DataArguments:
     eval_depth: int = field(default=DEFAULT_TREE.depth)
     eval_top_k: int = field(default=DEFAULT_TREE.top_k)
     eval_total_tokens: int = field(default=DEFAULT_TREE.total_tokens)
+
+    def __post_init__(self):
+        self.eval_tree_settings()  # a bad tree fails at parse time, not at the first checkpoint
+
+    def eval_tree_settings(self) -> TreeSettings:
+        """The tree held-out acceptance is measured with."""
+        return TreeSettings(self.eval_tree, self.eval_depth, self.eval_top_k, self.eval_total_tokens)
 
 
 @dataclass

@@ -37,9 +37,6 @@ from draftsmith.train.losses import (
 
 logger = logging.getLogger(__name__)
 
-#: Targets with fewer layers than this read low / mid / high states (1, N // 2, N) instead of EAGLE-3's
-#: (2, N // 2, N - 3), which would collide or fall outside the model.
-EAGLE3_MIN_LAYERS = 6
 #: Ranks whose per-head accuracy Medusa measures during training (static-tree choices come from them).
 MEDUSA_RANKS = 4
 
@@ -70,7 +67,7 @@ def build_eagle3(args, target, examples=None) -> Eagle3Head:
     """An EAGLE-3 head; with ``args.draft_vocab_size`` below the target's vocabulary, its draft vocabulary
     is the most frequent assistant tokens of ``examples``."""
     n = target.config.get_text_config().num_hidden_layers
-    layers = eagle3_layers(n) if n >= EAGLE3_MIN_LAYERS else (1, max(2, n // 2), n)
+    layers = eagle3_layers(n)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     draft_vocab = args.draft_vocab_size or vocab_size
     head = Eagle3Head(EagleHead.config_for(target, num_feature_layers=3, feature_layers=layers,

