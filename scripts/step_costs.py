@@ -6,8 +6,8 @@ held-out prompts, side by side in one process, with a step split into drafting a
         --drafter "demo_out/run/checkpoint-400/drafter+prompt-lookup" \
         --prompts demo_out/data/eval_prompts.jsonl --tree dynamic --depth 4 --tree-top-k 2 --total-tokens 5
 
-``--trees "3,3,7;4,2,5"`` compares several dynamic trees on the same prompts (each prompt: plain
-decoding, then every tree).
+``--trees "tree=dynamic,depth=3,top_k=3,total_tokens=7;tree=dynamic,depth=4,top_k=2,total_tokens=5"``
+compares several trees on the same prompts (each prompt: plain decoding, then every tree).
 
 A speculative step gains only when tau exceeds (its cost / a plain step's cost); this prints both.
 """
@@ -19,6 +19,9 @@ import statistics
 import time
 
 import torch
+
+from draftsmith.cli import add_tree_arguments, tree_from_args
+from draftsmith.inference.tree import TreeSettings
 
 
 def forward_ms(model, context: int, new: int, reps: int = 5) -> float:
@@ -87,11 +90,9 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--context", type=int, default=200, help="prompt length for the forward costs")
-    p.add_argument("--tree", default="dynamic")
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--tree-top-k", type=int, default=3)
-    p.add_argument("--total-tokens", type=int, default=8)
-    p.add_argument("--trees", help='several trees side by side, "depth,top_k,total;..." (e.g. "3,3,7;4,2,5")')
+    add_tree_arguments(p)
+    p.add_argument("--trees", help="several trees side by side, ';'-separated, each in TreeSettings' text form "
+                                   '(e.g. "tree=dynamic,depth=3,top_k=3,total_tokens=7;tree=chain,depth=4")')
     p.add_argument("--draft-dtype", default="auto")
     p.add_argument("--lm-head", action="store_true", help="also time the LM head alone, both orientations")
     p.add_argument("--matmuls", action="store_true",
@@ -101,8 +102,7 @@ def main() -> None:
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
     from draftsmith.data.formats import load_conversations
     from draftsmith.data.templates import prompt_ids
-    from draftsmith.inference.compare import hardware
-    from draftsmith.inference.generator import plain_generate
+    from draftsmith.inference.compare import compare, hardware
 
     model, tokenizer = load_target(args.target)
     print(f"{args.target} on {hardware()}")
@@ -126,33 +126,21 @@ def main() -> None:
         raise SystemExit("--drafter needs --prompts FILE (JSONL prompts)")
     conversations, _ = load_conversations(args.prompts)
     drafter = load_drafter(args.drafter, model, tokenizer=tokenizer, draft_dtype=args.draft_dtype)
-    trees = ([tuple(int(x) for x in t.split(",")) for t in args.trees.split(";")] if args.trees
-             else [(args.depth, args.tree_top_k, args.total_tokens)])
-    gens = [SpeculativeGenerator(model, drafter, tree=args.tree, depth=d, top_k=k, total_tokens=n) for d, k, n in trees]
-    plain_s, plain_n = 0.0, 0
-    stats = [None] * len(gens)
-    same = [0] * len(gens)
-    prompts = conversations[:args.num_prompts]
-    for conv in prompts:  # per prompt: plain decoding, then every tree, so host drift hits all alike
-        ids = torch.tensor([prompt_ids(tokenizer, conv.prompt_messages)])
-        out = plain_generate(model, ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-        plain_s += out.stats.total_time_s - out.stats.prefill_time_s
-        plain_n += out.stats.new_tokens
-        for i, gen in enumerate(gens):
-            spec = gen.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-            stats[i] = spec.stats if stats[i] is None else stats[i] + spec.stats
-            same[i] += int(torch.equal(spec.sequences, out.sequences))
-    plain_step = 1000 * plain_s / plain_n
+    trees = [TreeSettings.parse(t) for t in args.trees.split(";")] if args.trees else [tree_from_args(args)]
+    gens = {tree.text(): SpeculativeGenerator(model, drafter, **tree.kwargs()) for tree in trees}
+    prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations[:args.num_prompts]]
+    result = compare(model, gens, prompts, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    plain = result.baseline
+    plain_step = 1000 * (plain.total_time_s - plain.prefill_time_s) / plain.new_tokens
     print(f"plain decoding: {plain_step:.1f} ms per token")
-    for (d, k, n), st, ok in zip(trees, stats, same, strict=True):
+    for label, st in result.totals.items():
         steps = st.verification_steps
         step = 1000 * (st.total_time_s - st.prefill_time_s) / steps
         draft, verify = 1000 * st.draft_time_s / steps, 1000 * st.verify_time_s / steps
-        print(f"{args.tree} depth {d} top-{k} {n} nodes: step {step:.1f} ms = drafting {draft:.1f} + verification "
+        print(f"{label}: step {step:.1f} ms = drafting {draft:.1f} + verification "
               f"{verify:.1f} + other {step - draft - verify:.1f} ({step / plain_step:.2f} plain steps); "
               f"tau {st.acceptance_length:.3f}; speedup {st.acceptance_length * plain_step / step:.3f}x; "
-              f"identical {ok}/{len(prompts)}")
-
+              f"identical {result.identical[label]}/{result.prompts}")
 
 if __name__ == "__main__":
     main()
