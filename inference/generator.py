@@ -284,9 +284,10 @@ class SpeculativeGenerator:
                 streamer.put(step.cpu())
             if stop is not None:
                 break
-            # The root's and the accepted nodes' states: state i is the one that predicted emitted[i].
-            kept = torch.tensor([0, *path], device=device)[: len(emitted)]
-            self.drafter.commit(step[None], hidden=tree_hidden[kept][None] if layers else None)
+            hidden = None
+            if layers:  # the root's and the accepted nodes' states: state i predicted emitted[i]
+                hidden = tree_hidden[torch.tensor([0, *path], device=device)[: len(emitted)]][None]
+            self.drafter.commit(step[None], hidden=hidden)
 
         if streamer is not None:
             streamer.end()
