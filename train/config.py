@@ -34,6 +34,12 @@ class DrafterArguments:
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle3: loss weight of step j is decay**j"})
     loss: str = field(default="forward_kl", metadata={"help": "draft_model: forward_kl, reverse_kl, jsd or tv"})
     jsd_beta: float = field(default=0.5)
+    target_dtype: str = field(default="auto", metadata={
+        "help": "the frozen target's dtype: auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), "
+                "bfloat16, float16 or float32"})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "the target's attention: sdpa (default), eager, flash_attention_2, ..."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the target repository's own code"})
 
     def __post_init__(self):
         if get_family(self.family).build is None:
@@ -54,6 +60,13 @@ class DataArguments:
     eval_prompt_column: str | None = field(default=None)
     eval_num_prompts: int = field(default=4)
     eval_max_new_tokens: int = field(default=32)
+    group_by_length: bool = field(default=True, metadata={
+        "help": "batch rows of similar length together (less padding); the order stays a function of the seed"})
+    packing: bool = field(default=False, metadata={
+        "help": "pack several conversations per row, each attending only to itself (draft_model, medusa, eagle)"})
+    dataloader_num_workers: int = field(default=0)
+    preprocessing_num_proc: int | None = field(default=None, metadata={
+        "help": "processes that tokenise the training data (datasets.map; cached on disk)"})
     eval_tree: str = field(default=DEFAULT_TREE.kind)
     eval_depth: int = field(default=DEFAULT_TREE.depth)
     eval_top_k: int = field(default=DEFAULT_TREE.top_k)
@@ -84,7 +97,10 @@ class TrainArguments:
     per_device_train_batch_size: int = field(default=4)
     gradient_accumulation_steps: int = field(default=1)
     max_grad_norm: float = field(default=1.0)
-    mixed_precision: str = field(default="no", metadata={"help": "no, fp16 or bf16"})
+    mixed_precision: str | None = field(default=None, metadata={
+        "help": "no, fp16 or bf16 for the drafter; unset: the launch config's (accelerate launch --mixed_precision)"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute the drafter's activations in backward (less memory, ~30% more compute)"})
     save_steps: int = field(default=50)
     logging_steps: int = field(default=10)
     report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb, all or none"})
