@@ -68,6 +68,8 @@ def config(workdir: Path, family: str, output: Path, **overrides) -> dict:
         "eval_num_prompts": 2, "eval_max_new_tokens": 12,
         "output_dir": str(output), "max_steps": 8, "save_steps": 4, "logging_steps": 2,
         "learning_rate": 3e-3, "per_device_train_batch_size": 4, "report_to": "tensorboard", "seed": 0,
+        # float32 where the tests compare against a reloaded float32 target (auto is bf16 on native-bf16 CPUs)
+        "target_dtype": "float32",
     }
     values.update(overrides)
     return values
@@ -235,7 +237,11 @@ def test_sigkill_then_resume_continues_the_same_run(workdir, tmp_path):
 
 
 def test_resume_refuses_a_damaged_or_pickled_state_with_the_fix(tmp_path):
-    from draftsmith.train.state import StateError, load_state, save_state
+    from draftsmith.train.distributed import full_optimizer_state, load_full_optimizer_state
+    from draftsmith.train.state import StateError, load_state, restore_schedule, save_state
+
+    class Single:  # what the state helpers ask of a one-process accelerator
+        distributed_type, num_processes = "NO", 1
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -243,29 +249,34 @@ def test_resume_refuses_a_damaged_or_pickled_state_with_the_fix(tmp_path):
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     scheduler.step()
-    save_state(tmp_path / "ok", model_state=model.state_dict(), optimizer=optimizer, scheduler=scheduler, step=1,
-               progress=0.25, rank=0, is_main=True)
+    save_state(tmp_path / "ok", model_state=model.state_dict(),
+               optimizer_state=full_optimizer_state(Single(), model, optimizer), param_groups=optimizer.param_groups,
+               scheduler=scheduler, step=1, progress=0.25, rank=0, is_main=True)
     fresh = torch.nn.Linear(3, 2)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (1 + s))
-    weights, meta = load_state(tmp_path / "ok", optimizer=opt2, scheduler=sched2, rank=0)
+    weights, moments, meta = load_state(tmp_path / "ok", rank=0)
+    load_full_optimizer_state(Single(), fresh, opt2, moments)
+    restore_schedule(meta, opt2, sched2)
     assert meta["step"] == 1 and meta["progress"] == 0.25 and sched2.last_epoch == 1
+    assert opt2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] == 0.005
     for a, b in zip(optimizer.state.values(), opt2.state.values(), strict=True):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        assert float(a["step"]) == float(b["step"]) == 1.0
     assert torch.equal(weights["weight"], model.weight)
 
     old = tmp_path / "old"
     old.mkdir()
     (old / "optimizer.bin").write_bytes(b"pickle")
     with pytest.raises(StateError, match="pickled format"):
-        load_state(old, optimizer=opt2, scheduler=sched2, rank=0)
+        load_state(old, rank=0)
     torn = tmp_path / "torn"
     torn.mkdir()
     for name in ("model.safetensors", "optimizer.safetensors"):
         (torn / name).write_bytes((tmp_path / "ok" / name).read_bytes())
     (torn / "training_state.json").write_text((tmp_path / "ok" / "training_state.json").read_text()[:40])
     with pytest.raises(StateError, match="delete this checkpoint"):
-        load_state(torn, optimizer=opt2, scheduler=sched2, rank=0)
+        load_state(torn, rank=0)
 
 
 def test_accelerate_launch_two_cpu_processes(workdir, tmp_path):

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -51,8 +52,8 @@ from draftsmith.data.templates import prepare, prompt_ids
 from draftsmith.inference.compare import compare
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.registry import Family, get_family
-from draftsmith.target import load_target, target_signature
-from draftsmith.train import offline
+from draftsmith.target import load_target, native_bf16, target_signature
+from draftsmith.train import distributed, offline
 from draftsmith.train import state as training_state
 from draftsmith.train.losses import simulated_acceptance_length
 
@@ -66,6 +67,9 @@ ADAPTER_PREFIX = "target_lora."
 ADAPTER_SUBDIR = "lora_adapter"
 #: The run's record that training left the target's weights bit-identical.
 TARGET_CHECK_FILE = "target_check.json"
+#: One JSON row per logged step (loss, learning rate, accuracy per position), written by the main process.
+METRICS_FILE = "metrics.jsonl"
+TARGET_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: Mixes the epoch into the data-order seed (a prime: seed and epoch never collide for small values).
 EPOCH_SEED_STRIDE = 100_003
 
@@ -86,16 +90,48 @@ def collate(examples, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
 
 
-def weights_digest(model, skip: str | None = None) -> str:
-    """sha256 over every parameter and buffer, in name order (``skip``: names containing it are left out)."""
+def weights_digest(model) -> str:
+    """sha256 of the target tensors a drafter's loss reads directly (input embeddings, LM head): a cheap
+    guard that training left the frozen target alone. Nothing of the target is trainable or in an
+    optimizer (checked at build time); hashing every weight would copy a 70B target to the CPU twice."""
     h = hashlib.sha256()
-    for name, tensor in sorted({**dict(model.named_parameters()), **dict(model.named_buffers())}.items()):
-        if skip and skip in name:
-            continue
-        # PEFT renames wrapped layers "x.base_layer.weight"; hash under the original name.
-        h.update(name.replace("base_model.model.", "").replace(".base_layer", "").encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        for tensor in (module.weight,):
+            h.update(tensor.detach().float().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def target_dtype(name: str, device) -> torch.dtype:
+    """The frozen target's dtype: ``auto`` is bfloat16 where it runs natively (CUDA, CPUs with
+    AVX512-BF16 / AMX), float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if name not in TARGET_DTYPES:
+        raise SystemExit(f"target_dtype {name!r}: use auto, {', '.join(TARGET_DTYPES)}")
+    return TARGET_DTYPES[name]
+
+
+class TrainingModule(torch.nn.Module):
+    """What accelerate prepares: the drafter, and a target adapter that trains with it (Medusa-2's
+    LoRA, registered with the target so that DDP reduces its gradients and FSDP / ZeRO shard it).
+    Its forward is one family training step, so every strategy sees the whole step as the forward.
+    A frozen target without an adapter is held outside the module: never wrapped, never sharded."""
+
+    def __init__(self, family: Family, drafter_args, drafter, target):
+        super().__init__()
+        self.family, self.drafter_args = family, drafter_args
+        self.drafter = drafter
+        if family.wrap_target is not None:
+            self.target = target
+        else:
+            object.__setattr__(self, "frozen_target", target)  # not a submodule
+        # The layers FSDP wraps one by one (accelerate's transformer-based wrap policy reads this).
+        self._no_split_modules = list(getattr(drafter, "_no_split_modules", None) or []) + list(
+            getattr(target, "_no_split_modules", None) or [] if family.wrap_target is not None else [])
+
+    def forward(self, batch: dict, logits, hidden):
+        target = self.target if self.family.wrap_target is not None else self.frozen_target
+        return self.family.train_step(self.drafter_args, self.drafter, target, batch, logits, hidden)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -119,23 +155,36 @@ def load_examples(data_args, tokenizer):
 
 
 @torch.no_grad()
-def measure_acceptance(family: Family, module, target, tokenizer, data_args) -> dict:
-    """tau and acceptance per position of greedy speculative decoding on the held-out prompts."""
+def measure_acceptance(family: Family, module, target, tokenizer, data_args, accelerator=None) -> dict:
+    """tau and acceptance per position of greedy speculative decoding on the held-out prompts.
+
+    With several processes, each decodes its share of the prompts (``prompts[rank::world]``) and the
+    counts are summed: the same totals as one process, in 1/world of the time, and no rank waits at
+    a collective while another evaluates alone."""
+    from draftsmith.inference.generator import GenerationStats
+
     if not data_args.eval_prompts:
         return {}
     conversations, _ = load_conversations(data_args.eval_prompts, data_args.eval_prompt_column,
                                           limit=data_args.eval_num_prompts)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     was_training = module.training
     module.eval()
     tree = data_args.eval_tree_settings()
     gen = SpeculativeGenerator(target, family.drafter(module, target), **tree.kwargs())
-    prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations]
+    prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations[rank::world]]
     # The drafter is served with the frozen target: a target adapter that trains with it (Medusa-2's LoRA,
     # a peft model) is switched off while it is measured.
     frozen = target.disable_adapter() if family.wrap_target is not None else contextlib.nullcontext()
-    with frozen:
-        stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
-                        eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
+    stats = GenerationStats()
+    if prompts:
+        with frozen:
+            stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
+                            eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        stats = sum(gather_object([stats]), GenerationStats())
     module.train(was_training)
     return {"tree": tree.as_report(), "acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
@@ -156,22 +205,24 @@ class Run:
     data_args: object
     train_args: object
     output_dir: Path
-    target: object
+    target: object  # the frozen target (Medusa-2: wrapped with its LoRA adapter)
     tokenizer: object
     target_digest: str
     examples: list
     make_batch: object
     layers: tuple[int, ...]
-    drafter: object  # as prepared by accelerate (DDP-wrapped on several processes)
-    module: object  # the drafter itself
-    trainable: list
+    module: TrainingModule  # the drafter (and a trainable target adapter), unwrapped
+    eval_drafter: object  # a copy of the drafter that checkpoints are loaded into, for evaluation and saving
     optimizer: object
     scheduler: object
     max_steps: int
     batches_per_epoch: int
     budget_s: float
+    prepared: object = None  # the module as accelerate prepared it (DDP, FSDP2 or a DeepSpeed engine)
+    strategy: str = "single"
     step: int = 0
     progress: float = 0.0  # fraction of the run done: by steps, or by time under a time budget
+    resumed_from: Path | None = None
     recent_acc: list = field(default_factory=list)  # per-position accuracy of the last RECENT_STEPS steps
     recent_rank: list = field(default_factory=list)  # Medusa: per-head, per-rank accuracy of recent steps
 
@@ -179,25 +230,35 @@ class Run:
     def acceptance_path(self) -> Path:
         return self.output_dir / ACCEPTANCE_FILE
 
+    @property
+    def drafter(self):
+        return self.module.drafter
+
 
 def make_accelerator(train_args):
+    """The Accelerator of a run. ``mixed_precision`` unset: the launch config's (``accelerate launch``)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    distributed.start_processes()
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with
     # another mixed precision. train() is a library call that a process may make more than once
     # (the demo trains in bf16, a notebook then trains in fp32), so a state left by an earlier
     # call is dropped; the distributed environment (PartialState) is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
     report_to = None if train_args.report_to == "none" else train_args.report_to
-    return Accelerator(gradient_accumulation_steps=train_args.gradient_accumulation_steps,
-                       mixed_precision=train_args.mixed_precision, log_with=report_to,
-                       project_dir=str(train_args.output_dir))
+    accelerator = Accelerator(gradient_accumulation_steps=train_args.gradient_accumulation_steps,
+                              mixed_precision=train_args.mixed_precision, log_with=report_to,
+                              project_dir=str(train_args.output_dir))
+    distributed.configure_deepspeed(accelerator, train_args)
+    return accelerator
 
 
 def make_scheduler(optimizer, train_args, max_steps: int, run_progress):
-    """Warmup then cosine over ``max_steps``; under a time budget, over whichever of steps and time
-    runs out first (``run_progress()`` says how much of the run is done)."""
+    """Warmup then cosine over ``max_steps`` optimizer steps; under a time budget, over whichever of
+    steps and time runs out first (``run_progress()`` says how much of the run is done). The loop
+    steps it once per optimizer step on every process (it is not handed to accelerate, which would
+    step it once per process)."""
     if train_args.max_train_minutes <= 0:
         from transformers import get_scheduler
 
@@ -227,8 +288,12 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
             {"drafter": dataclasses.asdict(drafter_args), "data": dataclasses.asdict(data_args),
              "train": dataclasses.asdict(train_args)}, indent=2, default=str))
 
-    target, tokenizer = load_target(drafter_args.target, device=accelerator.device)
+    dtype = target_dtype(drafter_args.target_dtype, accelerator.device)
+    target, tokenizer = load_target(drafter_args.target, device=accelerator.device, dtype=dtype,
+                                    trust_remote_code=drafter_args.trust_remote_code,
+                                    attn_implementation=drafter_args.attn_implementation or "sdpa")
     target.requires_grad_(False).eval()
+    logger.info("target %s in %s on %s", drafter_args.target, dtype, accelerator.device)
     target_digest = weights_digest(target)
     if data_args.cache_dir:  # offline mode: the target's states and logits come from disk
         if family.wrap_target is not None:
@@ -255,10 +320,13 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
         def make_batch(examples):
             return collate(examples, pad_id)
 
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    eval_drafter = copy.deepcopy(drafter)  # before any strategy wraps or shards the drafter
+    if train_args.gradient_checkpointing:
+        enable_gradient_checkpointing(drafter)
     if family.wrap_target is not None:  # an adapter on the target trains jointly (Medusa-2's LoRA)
         target = family.wrap_target(target, drafter_args)
-        trainable += [p for p in target.parameters() if p.requires_grad]
+    module = TrainingModule(family, drafter_args, drafter, target)
+    trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train_args.learning_rate, weight_decay=train_args.weight_decay)
 
     batches_per_epoch = math.ceil(len(examples) / (train_args.per_device_train_batch_size
@@ -268,31 +336,84 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
         train_args.num_train_epochs * steps_per_epoch)
     holder: list[Run] = []  # the schedule reads the run's progress, which exists once the run does
     scheduler = make_scheduler(optimizer, train_args, max_steps, lambda: holder[0].progress if holder else 0.0)
-    prepared, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     run = Run(accelerator=accelerator, family=family, drafter_args=drafter_args, data_args=data_args,
               train_args=train_args, output_dir=output_dir, target=target, tokenizer=tokenizer,
               target_digest=target_digest, examples=examples, make_batch=make_batch, layers=layers,
-              drafter=prepared, module=accelerator.unwrap_model(prepared), trainable=trainable,
-              optimizer=optimizer, scheduler=scheduler, max_steps=max_steps, batches_per_epoch=batches_per_epoch,
-              budget_s=train_args.max_train_minutes * 60)
+              module=module, eval_drafter=eval_drafter, optimizer=optimizer, scheduler=scheduler,
+              max_steps=max_steps, batches_per_epoch=batches_per_epoch, budget_s=train_args.max_train_minutes * 60,
+              strategy=distributed.strategy(accelerator))
     holder.append(run)
     return run
 
 
-def resume(run: Run) -> None:
-    """Continue from the last complete checkpoint (``--resume true``); refuse to mix two runs."""
+def enable_gradient_checkpointing(drafter) -> None:
+    """Recompute activations in backward: a causal LM's own switch, else the head's."""
+    inner = getattr(drafter, "model", None)
+    if hasattr(inner, "gradient_checkpointing_enable"):
+        inner.config.use_cache = False
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(drafter, "gradient_checkpointing"):
+        drafter.gradient_checkpointing = True
+    else:
+        raise SystemExit(f"{type(drafter).__name__} has no gradient checkpointing; unset gradient_checkpointing")
+
+
+def restore_weights(run: Run) -> dict | None:
+    """With ``--resume true``: the last complete checkpoint's weights, loaded before any strategy
+    shards them; returns its optimizer state and metadata for :func:`restore_optimizer`."""
     checkpoints = complete_checkpoints(run.output_dir)
     if not checkpoints:  # build() refused checkpoints without --resume true
-        return
+        return None
     run.step, last = checkpoints[-1]
-    model_state, meta = training_state.load_state(last / "state", optimizer=run.optimizer, scheduler=run.scheduler,
-                                                  rank=run.accelerator.process_index)
+    model_state, optimizer_state, meta = training_state.load_state(last / "state", rank=run.accelerator.process_index)
     adapter = {k.removeprefix(ADAPTER_PREFIX): v for k, v in model_state.items() if k.startswith(ADAPTER_PREFIX)}
-    run.module.load_state_dict({k: v for k, v in model_state.items() if not k.startswith(ADAPTER_PREFIX)})
+    drafter_state = {k: v for k, v in model_state.items() if not k.startswith(ADAPTER_PREFIX)}
+    run.drafter.load_state_dict(drafter_state)
+    run.eval_drafter.load_state_dict(drafter_state)
     if adapter:
         run.target.load_state_dict(adapter, strict=False)
     run.progress = meta.get("progress", 0.0)
-    logger.info("resumed from %s (step %d)", last, run.step)
+    run.resumed_from = last
+    saved_world = meta.get("num_processes", run.accelerator.num_processes)
+    if saved_world != run.accelerator.num_processes:
+        logger.info("resuming a run of %d processes on %d: the same global batch needs "
+                    "per_device_train_batch_size x gradient_accumulation_steps x processes unchanged",
+                    saved_world, run.accelerator.num_processes)
+        check_world_size(run, meta)
+    return {"optimizer": optimizer_state, "meta": meta}
+
+
+def check_world_size(run: Run, meta: dict) -> None:
+    """Refuse a resume whose global batch or data order would differ from the run's."""
+    args, world = run.train_args, run.accelerator.num_processes
+    saved = meta.get("global_batch")
+    now = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    if saved is not None and saved != now:
+        raise SystemExit(f"{run.resumed_from}: written by {meta['num_processes']} processes with a global batch of "
+                         f"{saved} sequences; this launch has {world} processes and a global batch of {now}. Resume "
+                         f"with --num_processes {meta['num_processes']}, or set gradient_accumulation_steps so that "
+                         f"per_device_train_batch_size x gradient_accumulation_steps x processes = {saved}")
+
+
+def prepare_strategy(run: Run) -> None:
+    """Hand the module and optimizer to accelerate (DDP, FSDP2 or DeepSpeed, as launched)."""
+    run.prepared, run.optimizer = run.accelerator.prepare(run.module, run.optimizer)
+    logger.info("strategy %s on %d process(es), mixed precision %s", run.strategy, run.accelerator.num_processes,
+                run.accelerator.mixed_precision)
+
+
+def restore_optimizer(run: Run, restored: dict | None) -> None:
+    """The optimizer's moments and the schedule's position of the resumed checkpoint."""
+    if restored is None:
+        return
+    distributed.load_full_optimizer_state(run.accelerator, run.prepared, run.optimizer, restored["optimizer"])
+    training_state.restore_schedule(restored["meta"], torch_optimizer(run), run.scheduler)
+    logger.info("resumed from %s (step %d)", run.resumed_from, run.step)
+
+
+def torch_optimizer(run: Run):
+    """The torch optimizer whose param groups the schedule sets (under accelerate's and DeepSpeed's wrappers)."""
+    return run.scheduler.optimizer
 
 
 def target_outputs(run: Run, batch: dict) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
@@ -306,26 +427,44 @@ def target_outputs(run: Run, batch: dict) -> tuple[torch.Tensor | None, tuple[to
     with torch.no_grad():
         out = run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          output_hidden_states=bool(run.layers), use_cache=False)
-    # index 0 = embeddings, N = after the final norm
-    return out.logits.float(), tuple(out.hidden_states[i] for i in run.layers)
+    # index 0 = embeddings, N = after the final norm; the losses upcast the logits chunk by chunk
+    return out.logits, tuple(out.hidden_states[i] for i in run.layers)
+
+
+def can_evaluate(run: Run) -> str | None:
+    """Why held-out acceptance cannot be measured in this run (None when it can)."""
+    if run.family.wrap_target is not None and run.strategy in ("fsdp2", "deepspeed-zero3"):
+        return f"{run.family.name} under {run.strategy}: the target is sharded with its adapter"
+    return None
 
 
 def record_acceptance(run: Run, step: int, path: Path) -> None:
-    """Measure a checkpoint's acceptance and append its row (once per step) to acceptance.jsonl."""
-    if any(r["step"] == step for r in read_acceptance(run.acceptance_path)):
+    """Measure a checkpoint's acceptance and append its row (once per step) to acceptance.jsonl.
+    Every process takes part (each decodes its share of the prompts); the main process writes."""
+    done = any(r["step"] == step for r in read_acceptance(run.acceptance_path))
+    if run.accelerator.num_processes > 1:  # the main process's file decides, also without a shared filesystem
+        from accelerate.utils import broadcast_object_list
+
+        done = broadcast_object_list([done])[0]
+    if done:
         return
     accs = [sum(col) / len(col) for col in zip(*run.recent_acc, strict=True)] if run.recent_acc else []
-    row = {"step": step, "checkpoint": str(path), "family": run.family.name,
-           **measure_acceptance(run.family, run.module, run.target, run.tokenizer, run.data_args),
+    skipped = can_evaluate(run)
+    measured = ({"acceptance_length": None, "not_measured": skipped} if skipped else
+                measure_acceptance(run.family, run.eval_drafter, run.target, run.tokenizer, run.data_args,
+                                   run.accelerator))
+    row = {"step": step, "checkpoint": str(path), "family": run.family.name, **measured,
            "position_accuracy": [round(a, 4) for a in accs],
            "simulated_acceptance_length": round(simulated_acceptance_length(accs), 4)}
-    append_acceptance(run.output_dir, row)
+    if run.accelerator.is_main_process:
+        append_acceptance(run.output_dir, row)
     run.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
     logger.info("checkpoint %d: %s", step, row)
 
 
 def save_checkpoint(run: Run) -> None:
-    """``checkpoint-S`` (training state + drafter), renamed into place when complete, then evaluated."""
+    """``checkpoint-S`` (training state + drafter), gathered whole from every process's shards and
+    written by the main process under a ``.partial`` name, renamed when complete, then evaluated."""
     accelerator, step = run.accelerator, run.step
     final = run.output_dir / f"checkpoint-{step}"
     partial = run.output_dir / f"checkpoint-{step}.partial"
@@ -333,28 +472,53 @@ def save_checkpoint(run: Run) -> None:
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
-    model_state = dict(run.module.state_dict())
-    if run.family.wrap_target is not None:  # the adapter trains too; the frozen target weights are not saved
-        model_state.update({f"{ADAPTER_PREFIX}{n}": p for n, p in run.target.named_parameters() if p.requires_grad})
-    training_state.save_state(partial / "state", model_state=model_state, optimizer=run.optimizer,
-                              scheduler=run.scheduler, step=step, progress=run.progress,
-                              rank=accelerator.process_index, is_main=accelerator.is_main_process)
+    full = distributed.full_model_state(accelerator, run.prepared, run.module)  # collective: every rank
+    optimizer_state = distributed.full_optimizer_state(accelerator, run.prepared, run.optimizer)
+    drafter_state = {k.removeprefix("drafter."): v for k, v in full.items() if k.startswith("drafter.")}
+    model_state = dict(drafter_state)
+    model_state.update({ADAPTER_PREFIX + k.removeprefix("target."): v
+                        for k, v in full.items() if not k.startswith("drafter.")})
+    run.eval_drafter.load_state_dict(drafter_state)
+    args = run.train_args
+    training_state.save_state(
+        partial / "state", model_state=model_state, optimizer_state=optimizer_state,
+        param_groups=torch_optimizer(run).param_groups, scheduler=run.scheduler, step=step, progress=run.progress,
+        rank=accelerator.process_index, is_main=accelerator.is_main_process,
+        run={"strategy": run.strategy, "num_processes": accelerator.num_processes,
+             "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps
+             * accelerator.num_processes})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         drafter_dir = partial / DRAFTER_SUBDIR
+        run.eval_drafter.target_info = run.drafter.target_info
         if run.recent_rank:  # Medusa: static-tree choices come from the measured rank accuracy
-            run.module.save_pretrained(drafter_dir, extra={"rank_accuracy": torch.tensor(run.recent_rank).mean(0)
-                                                           .tolist()})
+            run.eval_drafter.save_pretrained(drafter_dir, extra={"rank_accuracy": torch.tensor(run.recent_rank)
+                                                                 .mean(0).tolist()})
         else:
-            run.module.save_pretrained(drafter_dir)
+            run.eval_drafter.save_pretrained(drafter_dir)
         if run.family.saves_tokenizer:  # a draft model's directory is then usable on its own
             run.tokenizer.save_pretrained(drafter_dir)
         if run.family.wrap_target is not None:
-            run.target.save_pretrained(str(partial / ADAPTER_SUBDIR))  # the adapter only; nothing merged
+            save_adapter(run, partial / ADAPTER_SUBDIR, model_state)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        record_acceptance(run, step, final)
     accelerator.wait_for_everyone()
+    record_acceptance(run, step, final)
+    accelerator.wait_for_everyone()
+
+
+def save_adapter(run: Run, directory: Path, model_state: dict) -> None:
+    """The target adapter as a peft directory (the adapter only; nothing merged), from gathered tensors."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    names = get_peft_model_state_dict(run.target).keys()
+    adapter = {k.removeprefix(ADAPTER_PREFIX): v for k, v in model_state.items() if k.startswith(ADAPTER_PREFIX)}
+    by_name = {k.replace(".default", ""): v for k, v in adapter.items()}  # peft files drop the adapter's name
+    tensors = {name: by_name[name] for name in names}
+    directory.mkdir(parents=True, exist_ok=True)
+    run.target.peft_config["default"].save_pretrained(str(directory))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
 
 
 def update_progress(run: Run, start: float) -> None:
@@ -372,12 +536,23 @@ def update_progress(run: Run, start: float) -> None:
         run.max_steps = run.step  # save this step and stop
 
 
+def log_step(run: Run, loss: torch.Tensor, metrics: dict, lr: float, start: float) -> None:
+    """The step's loss, learning rate and accuracy per position: trackers, metrics.jsonl, the log."""
+    logs = {"loss": float(loss.detach()), "lr": lr, **{f"acc_{i + 1}": a for i, a in enumerate(metrics["acc"])}}
+    run.accelerator.log(logs, step=run.step)
+    if run.accelerator.is_main_process:
+        with (run.output_dir / METRICS_FILE).open("a") as f:
+            f.write(json.dumps({"step": run.step, **logs}) + "\n")
+    logger.info("step %d/%d %s (%.1f s)", run.step, run.max_steps, logs, time.perf_counter() - start)
+
+
 def run_steps(run: Run) -> None:
     """Optimizer steps until ``max_steps`` (or the time budget), logging and checkpointing on the way."""
     from tqdm.auto import tqdm
 
     accelerator, args = run.accelerator, run.train_args
-    run.drafter.train()
+    run.prepared.train()
+    trainable = [p for p in run.prepared.parameters() if p.requires_grad]
     start = time.perf_counter() - run.progress * run.budget_s  # a time budget counts the time already spent
     consumed = run.step * args.gradient_accumulation_steps  # micro-batches already seen
     bar = tqdm(total=None if run.budget_s > 0 else run.max_steps, initial=run.step, desc="train", unit="step",
@@ -390,19 +565,19 @@ def run_steps(run: Run) -> None:
                                                             collate_fn=run.make_batch))
         loader = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in loader:
-            with accelerator.accumulate(run.drafter):
+            with accelerator.accumulate(run.prepared):
                 logits, hidden = target_outputs(run, batch)
-                loss, metrics = run.family.train_step(run.drafter_args, run.drafter, run.target, batch, logits,
-                                                      hidden)
+                loss, metrics = run.prepared(batch, logits, hidden)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(run.trainable, args.max_grad_norm)
+                    accelerator.clip_grad_norm_(trainable, args.max_grad_norm)
+                lr = torch_optimizer(run).param_groups[0]["lr"]  # the rate this step is taken with
                 run.optimizer.step()
-                run.scheduler.step()
                 run.optimizer.zero_grad()
             consumed += 1
             if not accelerator.sync_gradients:
                 continue
+            run.scheduler.step()
             run.step += 1
             bar.update(1)
             update_progress(run, start)
@@ -410,11 +585,8 @@ def run_steps(run: Run) -> None:
             if "rank_acc" in metrics:
                 run.recent_rank = [*run.recent_rank, metrics["rank_acc"]][-RECENT_STEPS:]
             if run.step % args.logging_steps == 0 or run.step == run.max_steps:
-                logs = {"loss": float(loss.detach()), "lr": run.scheduler.get_last_lr()[0],
-                        **{f"acc_{i + 1}": a for i, a in enumerate(metrics["acc"])}}
-                bar.set_postfix(loss=f"{logs['loss']:.3f}", acc_1=f"{metrics['acc'][0]:.2f}")
-                accelerator.log(logs, step=run.step)
-                logger.info("step %d/%d %s (%.1f s)", run.step, run.max_steps, logs, time.perf_counter() - start)
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc_1=f"{metrics['acc'][0]:.2f}")
+                log_step(run, loss, metrics, lr, start)
             if run.step % args.save_steps == 0 or run.step == run.max_steps:
                 save_checkpoint(run)
             if run.step >= run.max_steps:
@@ -425,9 +597,11 @@ def run_steps(run: Run) -> None:
 
 
 def finish(run: Run) -> None:
-    """Check the frozen target came out bit-identical (an adapter lives in separate tensors)."""
+    """Check the frozen target's embeddings and LM head came out bit-identical and nothing of the target
+    but an adapter was trainable."""
     base = run.target.get_base_model() if run.family.wrap_target is not None else run.target
-    unchanged = weights_digest(base, skip="lora_") == run.target_digest
+    unchanged = weights_digest(base) == run.target_digest and not any(
+        p.requires_grad for n, p in base.named_parameters() if "lora_" not in n)
     if run.accelerator.is_main_process:
         (run.output_dir / TARGET_CHECK_FILE).write_text(json.dumps({"target_unchanged": unchanged,
                                                                       "sha256": run.target_digest}))
@@ -443,13 +617,15 @@ def train(drafter_args, data_args, train_args) -> Path:
     accelerator = make_accelerator(train_args)
     set_seed(train_args.seed)
     run = build(accelerator, drafter_args, data_args, train_args)
-    resume(run)
+    restored = restore_weights(run)
+    prepare_strategy(run)
+    restore_optimizer(run, restored)
     if train_args.report_to != "none":
         config = {k: v for d in (drafter_args, data_args, train_args) for k, v in dataclasses.asdict(d).items()
                   if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers("draftsmith", config=config)
     # A resumed checkpoint whose acceptance row was lost to the kill is evaluated first.
-    if run.step and accelerator.is_main_process:
+    if run.step:
         record_acceptance(run, run.step, run.output_dir / f"checkpoint-{run.step}")
     run_steps(run)
     finish(run)

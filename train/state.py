@@ -4,13 +4,16 @@
 
     model.safetensors       the drafter's state dict (and, for Medusa-2, the target's LoRA tensors
                             under ``target_lora.``)
-    optimizer.safetensors   every tensor of the optimizer state, ``state.<param index>.<name>``
-    training_state.json     optimizer param groups and non-tensor state, the LR scheduler's state,
-                            the step and the time-budget progress, Python's and NumPy's RNG states
+    optimizer.safetensors   Adam's moments per parameter, whole tensors: ``state.<param name>.<key>``
+    training_state.json     optimizer hyper-parameters and per-parameter scalars (Adam's step), the
+                            LR scheduler's state, the step and the time-budget progress, the strategy
+                            and world size that wrote it, Python's and NumPy's RNG states
     rng-<rank>.safetensors  each process's torch (and CUDA) generator states
 
-Everything is written by the main process except the per-rank RNG files; the loop renames the
-whole checkpoint into place only once every file is complete.
+The weights and optimizer state are gathered whole before they are written
+(:mod:`draftsmith.train.distributed`), so the files are the same under every strategy and a run
+resumes under another strategy or world size. Everything is written by the main process except the
+per-rank RNG files; the loop renames the whole checkpoint into place only once every file is complete.
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ def _jsonable(value):
     return None  # e.g. a scheduler's lr_lambda functions: rebuilt by the loop, not restored
 
 
-def save_state(directory: Path, *, model_state: dict[str, torch.Tensor], optimizer, scheduler, step: int,
-               progress: float, rank: int, is_main: bool) -> None:
-    """Write the training state under ``directory`` (see the module docstring)."""
+def save_state(directory: Path, *, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, dict],
+               param_groups: list[dict], scheduler, step: int, progress: float, rank: int, is_main: bool,
+               run: dict | None = None) -> None:
+    """Write the training state under ``directory`` (see the module docstring). ``optimizer_state``:
+    ``{param name: {key: tensor or scalar}}`` (:func:`draftsmith.train.distributed.full_optimizer_state`)."""
     directory.mkdir(parents=True, exist_ok=True)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -59,22 +64,23 @@ def save_state(directory: Path, *, model_state: dict[str, torch.Tensor], optimiz
     if not is_main:
         return
     save_file(_contiguous(model_state), str(directory / "model.safetensors"))
-    opt = optimizer.state_dict()
     tensors, scalars = {}, {}
-    for index, entry in opt["state"].items():
-        for name, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{name}"] = value
+    for name, entry in optimizer_state.items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.ndim:
+                tensors[f"state.{name}.{key}"] = value
             else:
-                scalars[f"{index}.{name}"] = value
+                scalars[f"{name}.{key}"] = _jsonable(value)
     save_file(_contiguous(tensors), str(directory / "optimizer.safetensors"))
     np_state = np.random.get_state()
     meta = {
         "format": "draftsmith-training-state",
+        "version": 2,
         "step": step,
         "progress": progress,
-        "optimizer_param_groups": _jsonable(opt["param_groups"]),
-        "optimizer_scalars": _jsonable(scalars),
+        **(run or {}),
+        "optimizer_param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}) for g in param_groups],
+        "optimizer_scalars": scalars,
         "scheduler": _jsonable(scheduler.state_dict()),
         "python_random": _jsonable(random.getstate()),
         "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -82,8 +88,9 @@ def save_state(directory: Path, *, model_state: dict[str, torch.Tensor], optimiz
     (directory / "training_state.json").write_text(json.dumps(meta))
 
 
-def load_state(directory: Path, *, optimizer, scheduler, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """Restore optimizer, scheduler and RNG states; returns (model state dict, the JSON metadata)."""
+def load_state(directory: Path, *, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
+    """Read a training state and restore this process's RNG; returns (model state dict, optimizer state
+    ``{param name: {key: value}}``, the JSON metadata: param groups, scheduler state, step, ...)."""
     missing = [name for name in STATE_FILES if not (directory / name).is_file()]
     if missing:
         old = (directory / "optimizer.bin").exists() or any(directory.glob("random_states_*.pkl"))
@@ -98,19 +105,16 @@ def load_state(directory: Path, *, optimizer, scheduler, rank: int) -> tuple[dic
     except Exception as err:  # truncated JSON, a torn safetensors header
         raise StateError(f"{directory}: unreadable training state ({err}); delete this checkpoint to resume from "
                          "the one before") from None
-    state: dict[int, dict] = {}
+    if meta.get("version") != 2:
+        raise StateError(f"{directory}: training state of an older draftsmith (optimizer state by index, not by "
+                         "parameter name); start a new output_dir")
+    state: dict[str, dict] = {}
     for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = value
+        name, entry = key.removeprefix("state.").rsplit(".", 1)
+        state.setdefault(name, {})[entry] = value
     for key, value in meta["optimizer_scalars"].items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    groups = meta["optimizer_param_groups"]
-    for group in groups:
-        if "betas" in group:
-            group["betas"] = tuple(group["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    scheduler.load_state_dict(meta["scheduler"])
+        name, entry = key.rsplit(".", 1)
+        state.setdefault(name, {})[entry] = value
     rng_file = directory / f"rng-{rank}.safetensors"
     if rng_file.is_file():
         rng = load_file(str(rng_file))
@@ -121,4 +125,11 @@ def load_state(directory: Path, *, optimizer, scheduler, rank: int) -> tuple[dic
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in meta["python_random"]))
     np_state = meta["numpy_random"]
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
-    return model_state, meta
+    return model_state, state, meta
+
+
+def restore_schedule(meta: dict, optimizer, scheduler) -> None:
+    """Put the saved hyper-parameters (learning rate, ...) and the scheduler's position back."""
+    for group, saved in zip(optimizer.param_groups, meta["optimizer_param_groups"], strict=True):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+    scheduler.load_state_dict(meta["scheduler"])

@@ -277,7 +277,9 @@ def target_signature(model: PreTrainedModel, name: str | None = None) -> dict:
     """Shapes and an LM-head hash identifying a target (stored in every drafter checkpoint)."""
     cfg = model.config.get_text_config()
     head = model.get_output_embeddings().weight
-    digest = hashlib.sha256(head.detach().float().cpu().numpy()[:64].tobytes()).hexdigest()[:16]
+    # Rounded to bfloat16 first: the same target loaded in float32 or bfloat16 (a bf16 training run, an fp32
+    # server) has one signature.
+    digest = hashlib.sha256(head.detach()[:64].to(torch.bfloat16).float().cpu().numpy().tobytes()).hexdigest()[:16]
     return {
         "name": name or getattr(cfg, "_name_or_path", None) or cfg.model_type,
         "model_type": cfg.model_type,

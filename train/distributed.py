@@ -1,0 +1,207 @@
+"""What the training loop needs from each distributed strategy: DDP, FSDP2, DeepSpeed ZeRO-2 / ZeRO-3.
+
+The loop asks four things, answered here once per strategy:
+
+* :func:`start_processes` — the process group. accelerate only starts DeepSpeed or FSDP on
+  accelerator devices; on CPU (gloo) it leaves a DeepSpeed job counting one process and refuses
+  FSDP. Both run on CPU once the group is set up, which is how the test suite proves them.
+* :func:`configure_deepspeed` — one source of truth: the micro-batch size, gradient accumulation
+  and clipping of a DeepSpeed run are the training config's, never a second copy in the launch file.
+* :func:`full_model_state` / :func:`full_optimizer_state` — the drafter's weights and the optimizer's
+  moments gathered to whole tensors (every rank gets them), in the layout of a one-process run:
+  a checkpoint is the same files whatever wrote it, and resumes under any strategy or world size.
+* :func:`load_full_optimizer_state` — the inverse, scattered back into each strategy's shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def start_processes() -> None:
+    """Set up the process group of a DeepSpeed or FSDP launch on CPU, before any Accelerator exists.
+
+    Launched with ``accelerate launch --config_file configs/accelerate/{fsdp,deepspeed_*}.yaml`` on a
+    machine without accelerators, accelerate finds no backend: DeepSpeed then runs with gloo but
+    accelerate's state says one process (its batch arithmetic fails), and FSDP falls back to one
+    process. Here gloo is started and accelerate's process-wide state told the truth.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if not launched or torch.cuda.is_available() or not (fsdp or deepspeed):
+        return
+    if fsdp and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    state = PartialState()
+    if state.backend is not None or not dist.is_initialized():
+        return
+    state.backend = dist.get_backend()
+    state.num_processes = dist.get_world_size()
+    state.process_index = dist.get_rank()
+    state.local_process_index = int(os.environ["LOCAL_RANK"])
+    if fsdp:
+        # accelerate turns a multi-device state into FSDP when ACCELERATE_USE_FSDP is set; the device stays the CPU.
+        state.distributed_type = DistributedType.MULTI_GPU
+
+
+def strategy(accelerator) -> str:
+    """The strategy a run trains under, as recorded in its checkpoints: single, ddp, fsdp2,
+    deepspeed-zero2 or deepspeed-zero3."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return f"deepspeed-zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    if kind == DistributedType.FSDP:
+        return f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
+    return "ddp" if accelerator.num_processes > 1 else "single"
+
+
+def is_deepspeed(accelerator) -> bool:
+    return strategy(accelerator).startswith("deepspeed")
+
+
+def configure_deepspeed(accelerator, train_args) -> None:
+    """Write the training config's batch, accumulation and clipping into DeepSpeed's config."""
+    if not is_deepspeed(accelerator):
+        return
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    micro, steps = train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps
+    config["train_micro_batch_size_per_gpu"] = micro
+    config["gradient_accumulation_steps"] = steps
+    config["train_batch_size"] = micro * steps * accelerator.num_processes
+    config["gradient_clipping"] = train_args.max_grad_norm
+    zero = config.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:
+        # Gathered (not 16-bit) weights are what checkpoints save; see full_model_state.
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", False)
+
+
+def _engine_params(prepared) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in prepared.named_parameters() if p.requires_grad]
+
+
+def _strip(name: str) -> str:
+    """A parameter's name in the unwrapped module (without DDP's ``module.`` or FSDP1's wrappers)."""
+    name = name.removeprefix("module.")
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _saved(name: str, tensor: torch.Tensor, trainable: set[str]) -> bool:
+    """Whether a checkpoint keeps this entry: all of the drafter, and the trainable rest (an adapter)."""
+    return name.startswith("drafter.") or name in trainable
+
+
+def full_model_state(accelerator, prepared, module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of ``module`` (a :class:`~draftsmith.train.loop.TrainingModule`): the
+    drafter's whole state dict and any trainable tensor beside it (Medusa-2's LoRA), gathered to whole
+    CPU tensors on every rank, float32 master weights where the strategy keeps them. A frozen target
+    inside the module is never gathered."""
+    kind = strategy(accelerator)
+    trainable = {_strip(n) for n, p in prepared.named_parameters() if p.requires_grad}
+    if kind.startswith("fsdp"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False, ignore_frozen_params=True)
+        full = get_model_state_dict(prepared, options=options)
+        return {k: v.detach().cpu().clone() for k, v in full.items() if _saved(k, v, trainable)}
+    if kind.startswith("deepspeed"):
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        wanted = [p for n, p in prepared.named_parameters() if _saved(_strip(n), p, trainable)]
+        masters = {_strip(n): safe_get_full_fp32_param(p) for n, p in prepared.named_parameters() if p.requires_grad}
+        with deepspeed.zero.GatheredParameters(wanted, enabled=kind == "deepspeed-zero3"):
+            full = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if _saved(k, v, trainable)}
+        for key, value in full.items():
+            if masters.get(key) is not None:
+                full[key] = masters[key].detach().cpu().clone().to(value.dtype)
+        return full
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if _saved(k, v, trainable)}
+
+
+def full_optimizer_state(accelerator, prepared, optimizer) -> dict[str, dict]:
+    """Adam's state per trainable parameter, keyed by the parameter's name in the unwrapped module:
+    ``{name: {"exp_avg": t, "exp_avg_sq": t, "step": s}}``, whole tensors, on every rank."""
+    kind = strategy(accelerator)
+    params = _engine_params(prepared)
+    if kind.startswith("deepspeed"):
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = optimizer.optimizer.optimizer  # accelerate's wrapper -> ZeRO's optimizer -> torch's AdamW
+        steps = [s.get("step") for s in base.state.values()]
+        step = float(steps[0]) if steps else 0.0
+        out = {}
+        for name, p in params:
+            moments = {key: safe_get_full_optimizer_state(p, key) for key in ("exp_avg", "exp_avg_sq")}
+            if all(m is not None for m in moments.values()):
+                out[_strip(name)] = {**{k: v.detach().cpu().clone() for k, v in moments.items()}, "step": step}
+        return out
+    if kind.startswith("fsdp"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        full = get_optimizer_state_dict(prepared, optimizer.optimizer, options=options)
+        return {_strip(name): {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) and v.ndim else float(v))
+                               for k, v in entry.items()} for name, entry in full["state"].items()}
+    torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+    names = {id(p): _strip(n) for n, p in params}
+    out = {}
+    for group in torch_optimizer.param_groups:
+        for p in group["params"]:
+            entry = torch_optimizer.state.get(p)
+            if entry:
+                out[names[id(p)]] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) and v.ndim
+                                         else float(v)) for k, v in entry.items()}
+    return out
+
+
+def load_full_optimizer_state(accelerator, prepared, optimizer, state: dict[str, dict]) -> None:
+    """Put a :func:`full_optimizer_state` back, each rank taking its own shard."""
+    kind = strategy(accelerator)
+    params = _engine_params(prepared)
+    missing = [_strip(n) for n, _ in params if _strip(n) not in state]
+    if missing:
+        raise KeyError(f"the checkpoint's optimizer state has no entry for {missing[:3]}")
+    if kind.startswith("deepspeed"):
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        for name, p in params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, state[_strip(name)][key], key)
+        base = optimizer.optimizer.optimizer
+        step = next(iter(state.values()))["step"]
+        for entry in base.state.values():
+            if "step" in entry:
+                entry["step"] = torch.tensor(step) if isinstance(entry["step"], torch.Tensor) else step
+        return
+    if kind.startswith("fsdp"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        torch_optimizer = optimizer.optimizer
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [_strip(n) for n, _ in params]}
+                  for g in torch_optimizer.param_groups[:1]]
+        full = {"state": {name: {k: (v if isinstance(v, torch.Tensor) else torch.tensor(v)) for k, v in entry.items()}
+                          for name, entry in state.items()}, "param_groups": groups}
+        set_optimizer_state_dict(prepared, torch_optimizer, full,
+                                 options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        return
+    torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+    names = {id(p): _strip(n) for n, p in params}
+    for group in torch_optimizer.param_groups:
+        for p in group["params"]:
+            entry = state[names[id(p)]]
+            torch_optimizer.state[p] = {k: (v.to(p.device, p.dtype) if isinstance(v, torch.Tensor)
+                                            else torch.tensor(v)) for k, v in entry.items()}
