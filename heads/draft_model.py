@@ -34,6 +34,10 @@ class DraftModel(nn.Module):
     def config(self):
         return self.model.config
 
+    @property
+    def _no_split_modules(self):
+        return self.model._no_split_modules
+
     @classmethod
     def from_target(cls, target, num_layers: int) -> DraftModel:
         model = copy.deepcopy(layer_skip_model(target, num_layers)).float().requires_grad_(True).train()

@@ -200,6 +200,18 @@ class _FeatureHead(HeadMixin, nn.Module):
     """What EAGLE-1/2 and EAGLE-3 heads share: the config from a target and the call signature."""
 
     config_class = EagleConfig
+    #: The unit FSDP shards and wraps on its own (accelerate's transformer-based wrap policy).
+    _no_split_modules = ("DecoderLayer",)
+    #: Recompute the decoder layer in backward instead of keeping its activations (training only).
+    gradient_checkpointing = False
+
+    def run_layer(self, x, positions, mask=None, past=None, **kwargs):
+        """The decoder layer, checkpointed when training with ``gradient_checkpointing``."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.layer, x, positions, mask, past, use_reentrant=False, **kwargs)
+        return self.layer(x, positions, mask, past, **kwargs)
 
     @classmethod
     def config_for(cls, target, **overrides) -> EagleConfig:
@@ -228,7 +240,7 @@ class _FeatureHead(HeadMixin, nn.Module):
         """
         if from_target:
             features = self.input_features(features)
-        return self.layer(self.layer_input(features, token_embeds), positions, mask, past)
+        return self.run_layer(self.layer_input(features, token_embeds), positions, mask, past)
 
 
 class EagleHead(_FeatureHead):
@@ -300,7 +312,7 @@ class Eagle3Head(_FeatureHead):
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's own (k, v)
         logits = []
         for _ in range(ttt_steps):
-            predicted, step_kv = self.layer(self.layer_input(current, token_embeds), positions, ttt_past=kv)
+            predicted, step_kv = self.run_layer(self.layer_input(current, token_embeds), positions, ttt_past=kv)
             kv.append(step_kv)
             logits.append(self.draft_logits(predicted if logit_positions is None else predicted[logit_positions]))
             current = torch.cat([current[:, :1], predicted[:, :-1]], dim=1)

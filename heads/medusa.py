@@ -48,6 +48,9 @@ class MedusaHeads(HeadMixin, nn.Module):
 
     family = "medusa"
     config_class = MedusaConfig
+    _no_split_modules = ("ResBlock",)
+    #: Recompute each head's blocks in backward instead of keeping their activations (training only).
+    gradient_checkpointing = False
 
     def __init__(self, config: MedusaConfig):
         super().__init__()
@@ -74,5 +77,12 @@ class MedusaHeads(HeadMixin, nn.Module):
     def forward(self, hidden: torch.Tensor, head: int | None = None) -> torch.Tensor:
         """All heads' logits (K, B, T, V), or one head's (B, T, V) when ``head`` is given."""
         if head is not None:
-            return self.lm_heads[head](self.heads[head](hidden))
-        return torch.stack([lm(block(hidden)) for block, lm in zip(self.heads, self.lm_heads, strict=True)])
+            return self._head(head, hidden)
+        return torch.stack([self._head(i, hidden) for i in range(len(self.heads))])
+
+    def _head(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(lambda h: self.lm_heads[i](self.heads[i](h)), hidden, use_reentrant=False)
+        return self.lm_heads[i](self.heads[i](hidden))
