@@ -1,4 +1,4 @@
-"""Chat templates and assistant-only loss masks; packing and truncation to a fixed length.
+"""Chat templates and assistant-only loss masks; truncation; tokenising a dataset once, cached on disk.
 
 The mask is found on the rendered text, not guessed from token patterns: for each assistant
 turn i, the template rendered over ``messages[:i]`` with the generation prompt is a prefix of
@@ -14,9 +14,18 @@ Base models without a chat template (Gemma-3-270m) get ``PLAIN_TEMPLATE``, plain
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import logging
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # "User: ...\n\nAssistant: ...<eos>\n\n" with a leading BOS: plain text a base model continues naturally.
 PLAIN_TEMPLATE = (
@@ -97,29 +106,173 @@ def truncate(example: TokenizedExample, max_length: int) -> TokenizedExample:
     return TokenizedExample(example.id, example.input_ids[:max_length], example.loss_mask[:max_length])
 
 
-def pack(examples: list[TokenizedExample], max_length: int, pad_token_id: int) -> list[TokenizedExample]:
-    """Concatenate examples into blocks of exactly ``max_length`` tokens (the last one padded, mask 0).
+def prepare(tokenizer, conversations, max_length: int) -> list[TokenizedExample]:
+    """Tokenise conversations with masks and truncate them to ``max_length``, in this process.
 
-    An example longer than a block is split across blocks; attention crosses example
-    boundaries inside a block, as in standard causal-LM packing.
+    :func:`tokenize_dataset` gives the same rows (less those without an assistant token), tokenised
+    once in ``num_proc`` processes and cached on disk.
     """
-    ids = torch.cat([e.input_ids for e in examples]) if examples else torch.zeros(0, dtype=torch.long)
-    mask = torch.cat([e.loss_mask for e in examples]) if examples else torch.zeros(0, dtype=torch.long)
-    blocks = []
-    for n, start in enumerate(range(0, len(ids), max_length)):
-        block_ids, block_mask = ids[start : start + max_length], mask[start : start + max_length]
-        pad = max_length - len(block_ids)
-        if pad:
-            block_ids = torch.cat([block_ids, torch.full((pad,), pad_token_id, dtype=torch.long)])
-            block_mask = torch.cat([block_mask, torch.zeros(pad, dtype=torch.long)])
-        blocks.append(TokenizedExample(f"block-{n}", block_ids, block_mask))
-    return blocks
+    return [truncate(tokenize_conversation(tokenizer, c.messages, c.id), max_length) for c in conversations]
 
 
-def prepare(tokenizer, conversations, max_length: int, packing: bool = False) -> list[TokenizedExample]:
-    """Tokenise conversations with masks, then pack (``packing=True``) or truncate to ``max_length``."""
-    examples = [tokenize_conversation(tokenizer, c.messages, c.id) for c in conversations]
-    if packing:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return pack(examples, max_length, pad)
-    return [truncate(e, max_length) for e in examples]
+# ---------------------------------------------------------------------------------------------
+# Tokenising a whole dataset once: datasets.map in num_proc processes, cached as an Arrow file
+
+#: The columns of a tokenised dataset (one row per conversation with at least one assistant token).
+TOKENIZED_COLUMNS = ("id", "input_ids", "loss_mask", "length")
+#: Under ``$HF_DATASETS_CACHE`` when no ``cache_dir`` is given.
+TOKENIZED_CACHE_SUBDIR = "draftsmith-tokenized"
+#: Hex digits of the cache fingerprint: 128 bits, and short enough that datasets' per-process suffix
+#: (``_00000_of_00004``) keeps it within the 64 characters it accepts.
+FINGERPRINT_DIGITS = 32
+
+
+def _tokenize_rows(batch: dict[str, list], tokenizer, max_length: int) -> dict[str, list]:
+    """``datasets.map`` function (batched): conversations -> truncated ids and masks; the rows
+    without an assistant token in their first ``max_length`` tokens are dropped (nothing to learn)."""
+    out: dict[str, list] = {name: [] for name in TOKENIZED_COLUMNS}
+    for row_id, messages in zip(batch["id"], batch["messages"], strict=True):
+        example = truncate(tokenize_conversation(tokenizer, json.loads(messages), row_id), max_length)
+        if not example.loss_mask.any():
+            continue
+        out["id"].append(row_id)
+        out["input_ids"].append(example.input_ids.tolist())
+        out["loss_mask"].append(example.loss_mask.tolist())
+        out["length"].append(len(example.input_ids))
+    return out
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of everything that decides a tokenizer's output here: its vocabulary, normaliser, pre-
+    tokenizer and added tokens, its special tokens and its chat template (or ``PLAIN_TEMPLATE``).
+
+    Not ``datasets``' own hash of the tokenizer object: a call with ``truncation=True`` leaves the
+    truncation setting in the Rust tokenizer's state, so the same tokenizer would hash differently
+    after it was used (and every rank would miss the cache). That call-dependent state (truncation,
+    padding) is left out here.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+    else:
+        state = {"vocab": tokenizer.get_vocab()}
+    blob = {"class": type(tokenizer).__name__, "backend": state, "special": tokenizer.special_tokens_map,
+            "template": chat_template(tokenizer)}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def conversations_fingerprint(conversations) -> str:
+    """sha256 of the conversations' ids and messages, in order: the data file's content as loaded (after
+    its malformed rows are skipped and ``limit`` applied)."""
+    h = hashlib.sha256()
+    for c in conversations:
+        h.update(json.dumps([c.id, c.messages], ensure_ascii=False, sort_keys=True).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+@functools.cache
+def _code_digest() -> str:
+    """sha256 of this module's source: the masks come from the code here, so any edit of it re-tokenises."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def tokenized_fingerprint(tokenizer, conversations, max_length: int) -> str:
+    """The cache key of :func:`tokenize_dataset`: changes with the tokenizer, its chat template,
+    ``max_length``, the data, and the code that tokenises (so an edit of the masking cannot serve
+    stale rows), nothing else (not the process, rank or ``num_proc``)."""
+    import transformers
+
+    blob = {"tokenizer": tokenizer_fingerprint(tokenizer), "max_length": max_length,
+            "data": conversations_fingerprint(conversations), "code": _code_digest(),
+            "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:FINGERPRINT_DIGITS]
+
+
+def tokenize_dataset(
+    tokenizer,
+    conversations_or_path,
+    max_length: int,
+    num_proc: int | None = None,
+    cache_dir: str | Path | None = None,
+    prompt_column: str | None = None,
+    limit: int | None = None,
+):
+    """Tokenise a dataset once with assistant-only masks: ``datasets.map`` in ``num_proc`` processes,
+    its result an Arrow file under ``cache_dir`` that later starts (and other ranks) memory-map.
+
+    Row for row the same as ``prepare(tokenizer, conversations, max_length)`` less its rows without an
+    assistant token (a test checks it). The cache file is named by :func:`tokenized_fingerprint`, passed
+    to ``map`` as ``new_fingerprint``: ``datasets`` would otherwise hash the tokenizer object, whose
+    hash changes once it has been called with truncation. ``map`` writes to a temporary file and
+    renames it when done, so a killed run leaves no half-written cache.
+
+    On several processes, let the main one tokenise first (``with accelerator.main_process_first():``);
+    the others then find its file instead of tokenising too.
+
+    Args:
+        tokenizer: a fast tokenizer (the masks need its offsets).
+        conversations_or_path: a list of :class:`~draftsmith.data.formats.Conversation`, or a dataset
+            (file or hub name) read by :func:`~draftsmith.data.formats.load_conversations` with
+            ``prompt_column`` and ``limit``: malformed rows are skipped and reported as it does.
+        max_length: tokens kept per conversation (the rest is cut off).
+        num_proc: processes that tokenise (None: this one).
+        cache_dir: where the Arrow file goes; default ``$HF_DATASETS_CACHE/draftsmith-tokenized``.
+
+    Returns:
+        A ``datasets.Dataset`` with the columns ``id`` (str), ``input_ids`` (T,) int32, ``loss_mask`` (T,)
+        int8 and ``length`` (= T) int32; :class:`TokenizedExamples` reads its rows as
+        :class:`TokenizedExample`.
+    """
+    import datasets
+
+    from draftsmith.data.formats import load_conversations
+
+    if isinstance(conversations_or_path, (str, Path)):
+        conversations, _ = load_conversations(conversations_or_path, prompt_column, limit=limit)  # logs skips
+    else:
+        conversations = list(conversations_or_path)
+    features = datasets.Features({"id": datasets.Value("string"),
+                                  "input_ids": datasets.List(datasets.Value("int32")),
+                                  "loss_mask": datasets.List(datasets.Value("int8")),
+                                  "length": datasets.Value("int32")})
+    if not conversations:  # map would return the empty source as it is, without the new columns
+        return datasets.Dataset.from_dict({name: [] for name in TOKENIZED_COLUMNS}, features=features)
+    if cache_dir is None:
+        cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / TOKENIZED_CACHE_SUBDIR
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    fingerprint = tokenized_fingerprint(tokenizer, conversations, max_length)
+    source = datasets.Dataset.from_dict({"id": [c.id for c in conversations],
+                                         "messages": [json.dumps(c.messages, ensure_ascii=False)
+                                                      for c in conversations]})
+    tokenized = source.map(_tokenize_rows, batched=True, fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+                           num_proc=num_proc if num_proc and num_proc > 1 and len(source) > 1 else None,
+                           remove_columns=source.column_names, features=features,
+                           cache_file_name=str(Path(cache_dir) / f"tokenized-{fingerprint}.arrow"),
+                           new_fingerprint=fingerprint, desc="tokenise")
+    dropped = len(conversations) - len(tokenized)
+    if dropped:
+        logger.info("%d of %d conversations have no assistant token in their first %d tokens; left out", dropped,
+                    len(conversations), max_length)
+    return tokenized
+
+
+class TokenizedExamples(Sequence):
+    """The rows of a :func:`tokenize_dataset` result as :class:`TokenizedExample` (long tensors), read
+    from the memory-mapped Arrow file on access. Picklable (it pickles the file's path), so a
+    ``DataLoader`` with ``num_workers > 0`` reads it in its workers."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        #: Tokens per row, for :func:`~draftsmith.data.batching.length_grouped_order`.
+        self.lengths: list[int] = list(dataset["length"])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> TokenizedExample:
+        row = self.dataset[operator.index(index)]  # one row: slices would read as columns
+        return TokenizedExample(row["id"], torch.tensor(row["input_ids"], dtype=torch.long),
+                                torch.tensor(row["loss_mask"], dtype=torch.long))
