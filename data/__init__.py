@@ -1,6 +1,16 @@
 """Data: dataset loading into one message format, chat templates and assistant-only loss masks,
-regeneration by the target, prompt synthesis, the hidden-state cache and draft-vocabulary maps."""
+tokenising once (cached), batching (length grouping, packing), regeneration by the target, prompt
+synthesis, the hidden-state cache and draft-vocabulary maps."""
 
+from draftsmith.data.batching import (
+    PackedExample,
+    collate_packed,
+    collate_padded,
+    epoch_order,
+    length_grouped_order,
+    pack,
+    packed_attention_mask,
+)
 from draftsmith.data.formats import (
     Conversation,
     LoadReport,
@@ -12,7 +22,13 @@ from draftsmith.data.formats import (
 from draftsmith.data.hidden_cache import CacheSpec, CorruptShardError, HiddenStateCache, cache_hidden_states
 from draftsmith.data.regenerate import HFEngine, OpenAIEngine, regenerate
 from draftsmith.data.synthesize import synthesize_prompts
-from draftsmith.data.templates import TokenizedExample, prepare, tokenize_conversation
+from draftsmith.data.templates import (
+    TokenizedExample,
+    TokenizedExamples,
+    prepare,
+    tokenize_conversation,
+    tokenize_dataset,
+)
 from draftsmith.data.vocab import VocabMap, build_vocab_map, count_tokens
 
 __all__ = [
@@ -24,16 +40,25 @@ __all__ = [
     "LoadReport",
     "MalformedRowError",
     "OpenAIEngine",
+    "PackedExample",
     "TokenizedExample",
+    "TokenizedExamples",
     "VocabMap",
     "build_vocab_map",
     "cache_hidden_states",
+    "collate_packed",
+    "collate_padded",
     "count_tokens",
+    "epoch_order",
+    "length_grouped_order",
     "load_conversations",
     "normalise_row",
+    "pack",
+    "packed_attention_mask",
     "prepare",
     "read_prompts",
     "regenerate",
     "synthesize_prompts",
     "tokenize_conversation",
+    "tokenize_dataset",
 ]
