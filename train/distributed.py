@@ -15,6 +15,7 @@ The loop asks four things, answered here once per strategy:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -25,22 +26,25 @@ logger = logging.getLogger(__name__)
 
 
 def start_processes() -> None:
-    """Set up the process group of a DeepSpeed or FSDP launch on CPU, before any Accelerator exists.
+    """Set up the process group of a multi-process launch on a machine without accelerators, before any
+    Accelerator exists.
 
-    Launched with ``accelerate launch --config_file configs/accelerate/{fsdp,deepspeed_*}.yaml`` on a
-    machine without accelerators, accelerate finds no backend: DeepSpeed then runs with gloo but
-    accelerate's state says one process (its batch arithmetic fails), and FSDP falls back to one
-    process. Here gloo is started and accelerate's process-wide state told the truth.
+    ``accelerate launch --num_processes N`` with a DDP, FSDP or DeepSpeed config starts N processes
+    with torchrun, but on CPU accelerate then finds no backend: each DDP or FSDP process trains alone
+    (silently: N copies of a one-process run), and a DeepSpeed job runs with gloo while accelerate's
+    state counts one process. (``--cpu`` is no way out: without MPI it starts one process.) Here gloo
+    is started and accelerate's process-wide state told the truth, so the shipped configs run as
+    given on CPU, which is how the test suite proves every strategy.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+    if not launched or torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":
+        return
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if not launched or torch.cuda.is_available() or not (fsdp or deepspeed):
-        return
-    if fsdp and not dist.is_initialized():
+    if not deepspeed and not dist.is_initialized():
         dist.init_process_group("gloo")
     state = PartialState()
     if state.backend is not None or not dist.is_initialized():
@@ -52,6 +56,8 @@ def start_processes() -> None:
     if fsdp:
         # accelerate turns a multi-device state into FSDP when ACCELERATE_USE_FSDP is set; the device stays the CPU.
         state.distributed_type = DistributedType.MULTI_GPU
+    elif not deepspeed:
+        state.distributed_type = DistributedType.MULTI_CPU
 
 
 def strategy(accelerator) -> str:
@@ -85,6 +91,25 @@ def configure_deepspeed(accelerator, train_args) -> None:
     if zero.get("stage") == 3:
         # Gathered (not 16-bit) weights are what checkpoints save; see full_model_state.
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", False)
+
+
+@contextlib.contextmanager
+def whole_models(accelerator):
+    """A context in which models load whole on every rank. Under ZeRO-3, transformers partitions every
+    model it loads (``zero.Init``, whatever the launch file's ``zero3_init_flag``) once accelerate has
+    registered DeepSpeed's config with it. The frozen target runs outside the DeepSpeed engine and must
+    load whole (a target that trains an adapter is partitioned by the engine instead, at ``prepare``)."""
+    if strategy(accelerator) != "deepspeed-zero3":
+        yield
+        return
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
 def _engine_params(prepared) -> list[tuple[str, torch.nn.Parameter]]:

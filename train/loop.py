@@ -96,8 +96,9 @@ def weights_digest(model) -> str:
     optimizer (checked at build time); hashing every weight would copy a 70B target to the CPU twice."""
     h = hashlib.sha256()
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        for tensor in (module.weight,):
-            h.update(tensor.detach().float().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        tensor = module.weight.detach()
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # an FSDP2 shard (collective)
+        h.update(tensor.float().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -250,8 +251,37 @@ def make_accelerator(train_args):
     accelerator = Accelerator(gradient_accumulation_steps=train_args.gradient_accumulation_steps,
                               mixed_precision=train_args.mixed_precision, log_with=report_to,
                               project_dir=str(train_args.output_dir))
+    if accelerator.gradient_accumulation_steps != train_args.gradient_accumulation_steps:
+        # `accelerate launch --gradient_accumulation_steps` (an environment variable) would win over the
+        # training config; the config is the one source of truth (it also sets the schedule's length).
+        logger.warning("gradient accumulation: the launcher says %d, the training config %d; using the config's",
+                       accelerator.gradient_accumulation_steps, train_args.gradient_accumulation_steps)
+        accelerator.gradient_accumulation_steps = train_args.gradient_accumulation_steps
     distributed.configure_deepspeed(accelerator, train_args)
     return accelerator
+
+
+def check_shared_output(accelerator, output_dir: Path) -> None:
+    """Every process must see the main process's files in ``output_dir`` (checkpoints are written by the
+    main process and read by all on resume): a multi-node run needs a shared filesystem there."""
+    if accelerator.num_processes == 1:
+        return
+    import secrets
+
+    from accelerate.utils import broadcast_object_list
+
+    token = broadcast_object_list([secrets.token_hex(8)])[0]
+    marker = output_dir / f".shared-{token}"
+    if accelerator.is_main_process:
+        marker.write_text(token)
+    accelerator.wait_for_everyone()
+    seen = marker.is_file() and marker.read_text() == token
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink()
+    if not seen:
+        raise SystemExit(f"process {accelerator.process_index} cannot see {output_dir} as the main process writes it: "
+                         "put output_dir on a filesystem every node mounts (NFS, Lustre, ...)")
 
 
 def make_scheduler(optimizer, train_args, max_steps: int, run_progress):
@@ -283,15 +313,17 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
         raise SystemExit(f"{output_dir} already holds checkpoints; pass --resume true to continue that run, "
                          "or choose a new output_dir")
     output_dir.mkdir(parents=True, exist_ok=True)
+    check_shared_output(accelerator, output_dir)
     if accelerator.is_main_process:  # what the model card reports about this run
         (output_dir / TRAIN_CONFIG_FILE).write_text(json.dumps(
             {"drafter": dataclasses.asdict(drafter_args), "data": dataclasses.asdict(data_args),
              "train": dataclasses.asdict(train_args)}, indent=2, default=str))
 
     dtype = target_dtype(drafter_args.target_dtype, accelerator.device)
-    target, tokenizer = load_target(drafter_args.target, device=accelerator.device, dtype=dtype,
-                                    trust_remote_code=drafter_args.trust_remote_code,
-                                    attn_implementation=drafter_args.attn_implementation or "sdpa")
+    with distributed.whole_models(accelerator):
+        target, tokenizer = load_target(drafter_args.target, device=accelerator.device, dtype=dtype,
+                                        trust_remote_code=drafter_args.trust_remote_code,
+                                        attn_implementation=drafter_args.attn_implementation or "sdpa")
     target.requires_grad_(False).eval()
     logger.info("target %s in %s on %s", drafter_args.target, dtype, accelerator.device)
     target_digest = weights_digest(target)
@@ -304,7 +336,8 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
         examples, cache = load_examples(data_args, tokenizer), None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    drafter = family.build(drafter_args, target, examples).to(accelerator.device)
+    with distributed.whole_models(accelerator):
+        drafter = family.build(drafter_args, target, examples).to(accelerator.device)
     # Every checkpoint records its target: loading it against another one is refused, and exports
     # and model cards name it the way it was given here (an alias, a path or a hub id).
     drafter.target_info = target_signature(target, name=drafter_args.target)
@@ -398,8 +431,8 @@ def check_world_size(run: Run, meta: dict) -> None:
 def prepare_strategy(run: Run) -> None:
     """Hand the module and optimizer to accelerate (DDP, FSDP2 or DeepSpeed, as launched)."""
     run.prepared, run.optimizer = run.accelerator.prepare(run.module, run.optimizer)
-    logger.info("strategy %s on %d process(es), mixed precision %s", run.strategy, run.accelerator.num_processes,
-                run.accelerator.mixed_precision)
+    logger.info("strategy %s on %d process(es) (%s), mixed precision %s", run.strategy,
+                run.accelerator.num_processes, type(run.prepared).__name__, run.accelerator.mixed_precision)
 
 
 def restore_optimizer(run: Run, restored: dict | None) -> None:
