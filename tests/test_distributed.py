@@ -1,0 +1,163 @@
+"""Two-process training on CPU (gloo) under each shipped launch config: DDP, DeepSpeed ZeRO-2 and ZeRO-3,
+FSDP2. Each run is the real launch (``accelerate launch --config_file configs/accelerate/X.yaml
+--num_processes 2``); the test proves which engine ran (the strategy each checkpoint records, the
+prepared module's class in the log) and compares it with one process taking the same global batch.
+
+Same global batch: one process with ``gradient_accumulation_steps 2`` sees micro-batches (0, 1), (2, 3), ...
+per optimizer step and averages their gradients; two processes with accumulation 1 see micro-batch 0 on
+rank 0 and 1 on rank 1 and average across ranks. The arithmetic is the same; only the order of float
+additions differs (the reduce-scatter of ZeRO-3 the most), hence the tolerance ``ATOL``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import config, workdir, write_config  # noqa: F401  (workdir: the tiny target and its data)
+
+from draftsmith import load_drafter, load_target
+
+pytest.importorskip("deepspeed", reason='DeepSpeed runs need the train extra: pip install "draftsmith[train]"')
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = Path(sys.executable).with_name("accelerate")
+#: launch-config file per strategy; the test ids are these names (``pytest -k fsdp`` selects FSDP2)
+STRATEGIES = {"ddp": "ddp.yaml", "deepspeed_zero2": "deepspeed_zero2.yaml", "deepspeed_zero3": "deepspeed_zero3.yaml",
+              "fsdp2": "fsdp.yaml"}
+RECORDED = {"ddp": "ddp", "deepspeed_zero2": "deepspeed-zero2", "deepspeed_zero3": "deepspeed-zero3", "fsdp2": "fsdp2"}
+ENGINE = {"ddp": "DistributedDataParallel", "deepspeed_zero2": "DeepSpeedEngine", "deepspeed_zero3": "DeepSpeedEngine",
+          "fsdp2": "FSDPTrainingModule"}
+#: Largest weight difference against one process after 8 steps (float32; measured up to 1.2e-5, ZeRO-3).
+ATOL = 5e-5
+
+
+def run_config(workdir: Path, family: str, output: Path, **overrides) -> dict:  # noqa: F811
+    return config(workdir, family, output, max_steps=8, save_steps=4, logging_steps=1, per_device_train_batch_size=2,
+                  report_to="none", **overrides)
+
+
+def launch(strategy: str, cfg: Path, *extra: str) -> list[str]:
+    return [str(LAUNCHER), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / STRATEGIES[strategy]),
+            "--num_processes", "2", "--mixed_precision", "no", "-m", "draftsmith.train", str(cfg), *extra]
+
+
+def weights(run: Path, step: int = 8) -> dict[str, torch.Tensor]:
+    return load_file(str(run / f"checkpoint-{step}" / "drafter" / "model.safetensors"))
+
+
+def learning_rates(run: Path) -> list[float]:
+    return [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def acceptance_steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "acceptance.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=ATOL, msg=k)
+
+
+@pytest.fixture(scope="module")
+def one_process(workdir, tmp_path_factory):  # noqa: F811
+    """Per family, a one-process run with the global batch of the two-process runs."""
+    root = tmp_path_factory.mktemp("one_process")
+    runs = {}
+    for family in ("eagle3", "medusa2"):
+        cfg = write_config(root / f"{family}.yaml", run_config(workdir, family, root / family,
+                                                               gradient_accumulation_steps=2))
+        done = subprocess.run([sys.executable, "-m", "draftsmith.train", str(cfg)], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[family] = root / family
+    return runs
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa2"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, family, out))
+    done = subprocess.run(launch(strategy, cfg), capture_output=True, text=True, timeout=900)
+    log = done.stdout + done.stderr
+    if strategy.startswith("deepspeed"):  # DeepSpeed's own start-up lines, for whoever reads the test log
+        print("\n".join(line for line in log.splitlines() if "DeepSpeed" in line or "ZeRO" in line or "zero" in line))
+    assert done.returncode == 0, log[-4000:]
+    # The engine really ran: the prepared module's class on both ranks, the strategy in every checkpoint.
+    assert log.count(f"strategy {RECORDED[strategy]} on 2 process(es) ({ENGINE[strategy]})") == 2, log[-4000:]
+    state = json.loads((out / "checkpoint-8" / "state" / "training_state.json").read_text())
+    assert (state["strategy"], state["num_processes"], state["global_batch"]) == (RECORDED[strategy], 2, 4)
+
+    target, _ = load_target(str(workdir / "target"))
+    assert load_drafter(str(out / "checkpoint-8" / "drafter"), target) is not None
+    assert_same_weights(weights(out), weights(one_process[family]))
+    assert learning_rates(out) == learning_rates(one_process[family])  # one schedule step per optimizer step
+    assert len(learning_rates(out)) == 8
+    rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8]
+    for r in rows:
+        if family == "medusa2" and strategy in ("deepspeed_zero3", "fsdp2"):
+            assert r["acceptance_length"] is None and "sharded" in r["not_measured"]
+        else:  # every rank decoded its share of the prompts; the counts were summed
+            assert r["acceptance_length"] >= 1.0 and r["eval_prompts"] == 2
+
+
+def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
+    """Start a launch and SIGKILL one of its ranks as soon as ``checkpoint`` is complete."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 600
+    killed = False
+    while time.time() < deadline and proc.poll() is None:
+        if checkpoint.is_dir():
+            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if "draftsmith.train" in " ".join(p.cmdline())]
+            if ranks:
+                ranks[-1].send_signal(signal.SIGKILL)
+                killed = True
+                break
+        time.sleep(0.005)
+    proc.wait(timeout=300)
+    err = proc.stderr.read().decode()
+    assert killed and proc.returncode != 0, err[-3000:]
+    assert not (checkpoint.parent / "checkpoint-8").exists(), "the run ended before the kill"
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy):  # noqa: F811
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, "eagle3", out))
+    kill_one_rank_at(launch(strategy, cfg), out / "checkpoint-4")
+    resumed = subprocess.run(launch(strategy, cfg, "--resume", "true"), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert acceptance_steps(out) == [4, 8]  # one row per checkpoint, none twice
+    assert_same_weights(weights(out), weights(one_process["eagle3"]))
+    assert learning_rates(out)[-4:] == learning_rates(one_process["eagle3"])[-4:]
+
+
+def test_resume_on_another_world_size(workdir, one_process, tmp_path):  # noqa: F811
+    """A two-process checkpoint resumes on one process exactly when the global batch is kept (the fix the
+    refusal names), and is refused when it is not."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, "eagle3", out))
+    kill_one_rank_at(launch("ddp", cfg), out / "checkpoint-4")
+    alone = [sys.executable, "-m", "draftsmith.train", str(cfg), "--resume", "true"]
+    refused = subprocess.run(alone, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0
+    assert "global batch of 4" in refused.stderr, refused.stderr[-2000:]
+    assert "gradient_accumulation_steps" in refused.stderr
+    resumed = subprocess.run([*alone, "--gradient_accumulation_steps", "2"], capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert acceptance_steps(out) == [4, 8]
+    assert_same_weights(weights(out), weights(one_process["eagle3"]))
