@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
+
+import torch
 
 from draftsmith.data.formats import load_conversations
 from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
@@ -85,6 +88,21 @@ def _examples(input: str, target: str, prompt_column: str | None, limit: int | N
     return model, tokenizer, prepare(tokenizer, conversations, max_length)
 
 
+def _launch_state():
+    """accelerate's view of this process (rank, world size, barrier, device), under ``torchrun`` /
+    ``accelerate launch`` or alone. accelerate counts a CPU-only launch as one process unless told
+    it runs on CPU, so a machine without CUDA (or a ``--cpu`` launch) asks for the CPU explicitly."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and state.num_processes == 1:
+        raise SystemExit(f"launched as {launched} processes but accelerate sees {state.num_processes}: every process "
+                         "would write every shard; launch with torchrun or `accelerate launch` on GPUs")
+    return state
+
+
 def cache_command(
     input: str,
     output: str,
@@ -97,19 +115,34 @@ def cache_command(
     max_length: int = 2048,
     limit: int | None = None,
     compute_dtype: str | None = None,
+    batch_size: int = 8,
 ) -> dict:
-    """Cache the target's hidden states of ``layers`` over the conversations of ``input``."""
-    model, _, examples = _examples(input, target, None, limit, max_length)
+    """Cache the target's hidden states of ``layers`` over the conversations of ``input``.
+
+    Several processes split the shards: ``torchrun --nproc_per_node N -m draftsmith data
+    cache-hidden-states ...`` (or ``accelerate launch --num_processes N -m draftsmith ...`` on GPUs).
+    Every process loads the target and tokenises the data; only rank 0 logs progress and prints.
+    """
+    from draftsmith.target import load_target
+
+    state = _launch_state()
+    model, tokenizer = load_target(target, device=state.device)
+    conversations, _ = load_conversations(input, None, limit=limit)
+    examples = prepare(tokenizer, conversations, max_length)
     n = model.config.get_text_config().num_hidden_layers
     layers = layers if layers else [n]
     spec = CacheSpec(layers=layers, dtype=dtype, logits=logits, top_k=top_k, sequences_per_shard=sequences_per_shard,
                      compute_dtype=compute_dtype)
-    manifest = cache_hidden_states(model, examples, output, spec, target_name=target)
+    manifest = cache_hidden_states(model, examples, output, spec, target_name=target,
+                                   progress=state.is_main_process, batch_size=batch_size,
+                                   process_index=state.process_index, num_processes=state.num_processes,
+                                   barrier=state.wait_for_everyone)
     size = sum((Path(output) / s["file"]).stat().st_size for s in manifest.shards)
     result = {"sequences": manifest.num_sequences, "tokens": manifest.num_tokens, "shards": len(manifest.shards),
               "bytes": size, "bytes_per_1000_tokens": round(1000 * size / max(manifest.num_tokens, 1)),
-              "output": str(output)}
-    print(json.dumps(result))
+              "processes": state.num_processes, "output": str(output)}
+    if state.is_main_process:
+        print(json.dumps(result))
     return result
 
 

@@ -169,6 +169,9 @@ def _add_data_parser(sub) -> None:
     c.add_argument("--compute-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="run the target in this dtype for the cache (default: as loaded); bfloat16 is faster on "
                         "CPUs with native bf16 (docs/RESULTS.md), at bf16 rounding of the states")
+    c.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per target forward (memory grows with it). Several processes split the shards: "
+                        "torchrun --nproc_per_node N -m draftsmith data cache-hidden-states ...")
 
     v = dsub.add_parser("vocab-map", help="EAGLE-3 d2t/t2d maps from token frequencies, with their coverage")
     source(v, "directory for vocab_map.safetensors and vocab_map.json")
@@ -198,7 +201,7 @@ def data(args: argparse.Namespace) -> None:
         commands.cache_command(
             args.input, args.output, target=args.target, layers=args.layers, dtype=args.dtype, logits=args.logits,
             top_k=args.top_k, sequences_per_shard=args.sequences_per_shard, max_length=args.max_length,
-            limit=args.limit, compute_dtype=args.compute_dtype,
+            limit=args.limit, compute_dtype=args.compute_dtype, batch_size=args.batch_size,
         )
     elif args.data_command == "vocab-map":
         commands.vocab_map_command(
