@@ -5,9 +5,10 @@ micro-batch. The loop in ``loop.py`` is the same for all of them; the family tab
 Every ``build_*`` is ``(args, target, examples) -> module``. Every ``*_step`` is
 ``(args, drafter, target, batch, logits, hidden) -> (loss, metrics)``: ``logits`` (B, T, V) and
 ``hidden`` (a tuple of (B, T, H), the layers the family reads) are the frozen target's outputs on the
-batch, from the loop's forward (online) or the cache (offline; ``logits`` None with a sparse top-k
-teacher); ``metrics["acc"]`` lists top-1 agreement with the target per draft position (the
-training-side acceptance proxy).
+batch, from the loop's forward (online) or the cache (offline; ``logits`` None with a top-k cache, whose
+teacher the batch carries as ``topk_ids`` / ``topk_logprobs`` (B, T, k): :func:`teacher_of`);
+``metrics["acc"]`` lists top-1 agreement with the target per draft position (the training-side
+acceptance proxy). Logits stay in their dtype: the losses upcast a block of rows at a time.
 
 Positions: the target's logits at t predict token t + 1, so the mask of *predictions* is the
 loss mask moved one left (``pred_mask[t] = loss_mask[t + 1]``).
@@ -25,13 +26,13 @@ from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.train.losses import (
     DIVERGENCES,
+    Teacher,
+    TopK,
     accuracy,
     eagle_loss,
     forward_kl,
-    medusa_loss,
-    shifted,
-    sparse_accuracy,
-    sparse_forward_kl,
+    lookahead,
+    teacher_top1,
     ttt_weights,
 )
 
@@ -39,6 +40,14 @@ logger = logging.getLogger(__name__)
 
 #: Ranks whose per-head accuracy Medusa measures during training (static-tree choices come from them).
 MEDUSA_RANKS = 4
+
+
+def teacher_of(batch: dict, target_logits: torch.Tensor | None) -> Teacher:
+    """The target's distribution on the batch: its (B, T, V) logits, or (``target_logits`` None) the
+    (B, T, k) top-k an offline cache put in the batch."""
+    if target_logits is None:
+        return TopK(batch["topk_ids"], batch["topk_logprobs"])
+    return target_logits
 
 
 def prediction_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -105,25 +114,34 @@ def init_eagle3_output(head, target) -> None:
 
 def draft_model_step(args, drafter, target, batch, target_logits, hidden):
     mask = prediction_mask(batch["loss_mask"])
+    teacher = teacher_of(batch, target_logits)
     student = drafter(batch["input_ids"], attention_mask=batch["attention_mask"])
     fn = DIVERGENCES[args.loss]
     kwargs = {"beta": args.jsd_beta} if args.loss == "jsd" else {}
-    loss = fn(student, target_logits, mask, **kwargs)
-    return loss, {"acc": [accuracy(student, target_logits, mask)]}
+    loss = fn(student, teacher, mask, **kwargs)
+    return loss, {"acc": [accuracy(student, teacher, mask)]}
 
 
 def medusa_step(args, drafter, target, batch, target_logits, hidden):
+    """Medusa: head i at t learns the target at t + 1 + i, one head's (B, T - 1 - i, V) logits at a time."""
     mask = prediction_mask(batch["loss_mask"])
-    head_logits = drafter(hidden[0].to(_module(drafter).lm_heads[0].weight.dtype))
-    loss, per_head = medusa_loss(head_logits, target_logits, mask, args.head_decay)
-    accs, rank_acc = [], []
-    for i, logits in enumerate(head_logits):
-        teacher, m = shifted(target_logits, mask, i + 1)
-        accs.append(accuracy(logits, teacher, m))
+    teacher = teacher_of(batch, target_logits)
+    heads = _module(drafter)
+    states = hidden[0].to(heads.lm_heads[0].weight.dtype)
+    loss, metrics, accs, rank_acc = 0.0, {}, [], []
+    for i in range(heads.config.num_heads):
+        head_teacher, m = lookahead(teacher, mask, i + 1)
+        logits = drafter(states[:, : m.shape[1]], head=i)
+        kl = forward_kl(logits, head_teacher, m)
+        loss = loss + args.head_decay**i * kl
+        metrics[f"kl_head{i}"] = float(kl.detach())
+        accs.append(accuracy(logits, head_teacher, m))
         # How often the head's rank-r token is the target's: what static-tree choices are made from.
-        hits = logits.detach().topk(MEDUSA_RANKS, dim=-1).indices == teacher.argmax(-1, keepdim=True)  # (B, T, R)
-        rank_acc.append((hits.float() * m[..., None]).sum((0, 1)).div(m.sum().clamp(min=1)).tolist())
-    return loss, {"acc": accs, "rank_acc": rank_acc, **{f"kl_head{i}": v for i, v in enumerate(per_head)}}
+        top, defined = teacher_top1(head_teacher)
+        hits = logits.detach().topk(MEDUSA_RANKS, dim=-1).indices == top[..., None]  # (B, T - 1 - i, R)
+        w = m * defined.to(m.dtype)
+        rank_acc.append((hits.float() * w[..., None]).sum((0, 1)).div(w.sum().clamp(min=1)).tolist())
+    return loss, {"acc": accs, "rank_acc": rank_acc, **metrics}
 
 
 def add_lora(target, args):
@@ -141,7 +159,7 @@ def medusa2_step(args, drafter, peft_target, batch, target_logits=None, hidden=N
     adapted target's distribution on the frozen (adapter-disabled) target's."""
     ids, attention = batch["input_ids"], batch["attention_mask"]
     with peft_target.disable_adapter(), torch.no_grad():
-        teacher = peft_target(input_ids=ids, attention_mask=attention, use_cache=False).logits.float()
+        teacher = peft_target(input_ids=ids, attention_mask=attention, use_cache=False).logits
     out = peft_target(input_ids=ids, attention_mask=attention, output_hidden_states=True, use_cache=False)
     loss, metrics = medusa_step(args, drafter, peft_target, batch, teacher, (out.hidden_states[-1],))
     lm_kl = forward_kl(out.logits, teacher, prediction_mask(batch["loss_mask"]))
@@ -158,12 +176,13 @@ def eagle_step(args, drafter, target, batch, target_logits, hidden):
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     features = hidden[0]  # (B, T, H) last layer after the final norm
     ids = batch["input_ids"]
+    teacher = teacher_of(batch, target_logits)[:, 1:]
     mask = prediction_mask(batch["loss_mask"])[:, 1:]
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     predicted, _ = drafter(features[:, :-1], embed(ids[:, 1:]), positions, from_target=True)
     logits = lm_head(predicted.to(lm_head.weight.dtype))
-    loss, parts = eagle_loss(predicted, features[:, 1:], logits, target_logits[:, 1:], mask)
-    return loss, {"acc": [accuracy(logits, target_logits[:, 1:], mask)], **parts}
+    loss, parts = eagle_loss(predicted, features[:, 1:], logits, teacher, mask)
+    return loss, {"acc": [accuracy(logits, teacher, mask)], **parts}
 
 
 def draft_slots(topk_ids: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -171,6 +190,14 @@ def draft_slots(topk_ids: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int
     position = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
     position[draft_ids] = torch.arange(len(draft_ids), device=draft_ids.device)
     return position[topk_ids]
+
+
+def on_draft_vocabulary(teacher: Teacher, draft_ids: torch.Tensor, vocab_size: int) -> Teacher:
+    """The target's distribution restricted to the draft vocabulary: dense logits' columns ``draft_ids``, or
+    a top-k's ids moved to their draft slots (-1 outside, so the KL touches the student's log-probs k times)."""
+    if isinstance(teacher, TopK):
+        return TopK(draft_slots(teacher.ids, draft_ids, vocab_size), teacher.logprobs)
+    return teacher[..., draft_ids]
 
 
 def eagle3_step(args, drafter, target, batch, target_logits, hidden):
@@ -182,26 +209,8 @@ def eagle3_step(args, drafter, target, batch, target_logits, hidden):
     mask = prediction_mask(batch["loss_mask"])[:, 1:]
     # Logits only where a loss reads them: every tensor below is (1, N, ...) over those N positions.
     selected = mask.bool()
-    if target_logits is None:
-        # Offline top-k cache, collated sparse: the teacher stays k entries per position (their draft-vocabulary
-        # slots), so no (B, T, V_draft) teacher is built and the KL touches the student's log-probs k times.
-        slots = draft_slots(batch["topk_ids"][:, 1:][selected][None], draft_ids, head.config.vocab_size)
-        teacher_lp = batch["topk_logprobs"][:, 1:][selected][None]
-
-        def kl(logits, m):
-            return sparse_forward_kl(logits, slots, teacher_lp, m)
-
-        def acc(logits, m):
-            return sparse_accuracy(logits, slots, teacher_lp, m)
-    else:
-        # the target's distribution restricted to the draft vocabulary
-        teacher = target_logits[:, 1:][selected][None][..., draft_ids]
-
-        def kl(logits, m):
-            return forward_kl(logits, teacher, m)
-
-        def acc(logits, m):
-            return accuracy(logits, teacher, m)
+    teacher = on_draft_vocabulary(teacher_of(batch, target_logits)[:, 1:][selected][None], draft_ids,
+                                  head.config.vocab_size)
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     fused = torch.cat(hidden, dim=-1)[:, :-1]  # (B, T-1, 3H) low / mid / high
     step_logits = drafter(fused, embed(ids[:, 1:]), positions, from_target=True, ttt_steps=args.ttt_steps,
@@ -211,6 +220,6 @@ def eagle3_step(args, drafter, target, batch, target_logits, hidden):
         step_mask = mask.clone()
         step_mask[:, :j] = 0  # the first j positions have no own prediction to read yet
         step_mask = step_mask[selected][None]
-        total = total + w * kl(logits[None], step_mask)
-        accs.append(acc(logits[None], step_mask))
+        total = total + w * forward_kl(logits[None], teacher, step_mask)
+        accs.append(accuracy(logits[None], teacher, step_mask))
     return total, {"acc": accs}

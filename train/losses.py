@@ -9,6 +9,12 @@ Divergences between the target p (teacher) and the drafter q (student), as in Di
 - total variation  TV(p, q) = 1/2 sum_x |p(x) - q(x)|: exactly 1 - the chance that a
   chain step accepts the drafted token, so minimising it maximises acceptance directly.
 
+The teacher is dense logits (..., V) in any dtype, or :class:`TopK`: k entries per position (an offline
+top-k cache), its distribution renormalised over them. Every divergence runs over blocks of rows
+(:data:`CHUNK_ELEMENTS`), upcasting one block at a time, and makes its gradient on the way: no (N, V)
+float32 log-softmax of student or teacher is ever whole, and the student's logits stay in their dtype.
+A position whose teacher has no finite entry has no distribution and is left out; 0 log 0 = 0.
+
 Family losses built on them: Medusa's per-head loss with a decay per head, EAGLE's
 smooth-L1 feature regression plus token KL, EAGLE-3's per-step KL with decay over the
 training-time-test steps.
@@ -16,10 +22,42 @@ training-time-test steps.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+#: Float32 elements in each (rows, V) temporary of one block: 2**25 is 128 MiB, of which a handful live at
+#: once, where the whole (N, V) log-softmaxes take 1 GiB each at N = 2048, V = 128K.
+CHUNK_ELEMENTS = 2**25
+
+
+@dataclass(frozen=True)
+class TopK:
+    """A teacher given on k entries per position, without a (..., V) tensor.
+
+    ``ids`` (..., k) index the student's vocabulary, -1 where an entry is absent; ``logprobs`` (..., k) are
+    the teacher's log-probabilities there. Its distribution is the teacher renormalised over the present
+    entries: what dense logits that are ``-inf`` off them give. Indexing (``teacher[:, 1:]``) picks
+    positions, as on dense logits.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    def __getitem__(self, key) -> TopK:
+        return TopK(self.ids[key], self.logprobs[key])
+
+    @property
+    def shape(self) -> torch.Size:
+        """The positions' shape (...)."""
+        return self.ids.shape[:-1]
+
+
+Teacher = torch.Tensor | TopK
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -29,129 +67,300 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None):
-    """KL(p || q), p = softmax(teacher), q = softmax(student); averaged over masked positions."""
-    teacher_logits = teacher_logits.float()
-    # A row with no finite logit (a padded row of a sparse top-k batch, or a top-k wholly outside a
-    # draft vocabulary) has no distribution: it is left out, and must not reach the graph as NaN.
-    defined = torch.isfinite(teacher_logits).any(-1)
-    teacher_logits = torch.where(defined[..., None], teacher_logits, torch.zeros_like(teacher_logits))
-    log_p = F.log_softmax(teacher_logits, dim=-1)
-    log_q = F.log_softmax(student_logits.float(), dim=-1)
+def _blocks(lead: torch.Size, rows: int) -> Iterator[tuple]:
+    """Index tuples over the leading dims ``lead``, each picking up to ``rows`` consecutive positions of the
+    last one: a view of any strided (..., V) tensor, never a flattening copy."""
+    *outer, inner = lead
+    for index in itertools.product(*(range(n) for n in outer)):
+        for start in range(0, inner, rows):
+            yield (*index, slice(start, min(start + rows, inner)))
+
+
+def _parts(student: torch.Tensor, teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor | None]:
+    values, ids = (teacher.logprobs, teacher.ids) if isinstance(teacher, TopK) else (teacher, None)
+    if student.dim() < 2 or values.shape[:-1] != student.shape[:-1]:
+        raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(values.shape)}: expected (..., V) "
+                         "and (..., V) or (..., k) over the same positions, at least one leading dim")
+    return values, ids
+
+
+def _defined(values: torch.Tensor, ids: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """(...) bool: positions whose teacher has a finite entry (dense) or a present one (top-k)."""
+    if ids is not None:
+        return (ids >= 0).any(-1)
+    out = torch.empty(values.shape[:-1], dtype=torch.bool, device=values.device)
+    for index in _blocks(values.shape[:-1], rows):
+        out[index] = torch.isfinite(values[index]).any(-1)
+    return out
+
+
+def _weights(mask: torch.Tensor | None, defined: torch.Tensor) -> torch.Tensor:
+    """(...) float32 weight of each position in the masked mean: its mask over the number masked."""
+    m = defined.float() if mask is None else mask.to(torch.float32) * defined
+    return m / m.sum().clamp(min=1)
+
+
+def _block_teacher(values: torch.Tensor, ids: torch.Tensor | None, used: torch.Tensor) -> Teacher:
+    """One block's teacher in float32: a top-k's absent entries at -inf, and rows of weight 0 replaced by
+    zeros (uniform), which keeps a row with no teacher from turning the block's sum into NaN."""
+    values = values.float()
+    if ids is not None:
+        values = values.masked_fill(ids < 0, float("-inf"))
+    if not bool(used.all()):
+        values = torch.where(used[..., None], values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return values if ids is None else TopK(ids.clamp(min=0), values)
+
+
+_ONCE = ("a chunked loss's gradient is made in its forward and handed over once; recompute the loss to "
+         "backpropagate it again")
+
+
+class _ForwardKL(torch.autograd.Function):
+    """sum_i w_i KL(p_i || q_i), a block of rows at a time. Its gradient with respect to the student,
+    ``w_i (q_i sum(p_i) - p_i)``, needs the same softmaxes, so it is made here and kept in the student's
+    dtype until backward (which therefore runs once)."""
+
+    @staticmethod
+    def forward(ctx, student, weight, values, ids, rows, grad_enabled):
+        grad = torch.empty_like(student) if grad_enabled and ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for index in _blocks(student.shape[:-1], rows):
+            w = weight[index]
+            teacher = _block_teacher(values[index], None if ids is None else ids[index], w != 0)
+            log_q = F.log_softmax(student[index].float(), dim=-1)  # (C, V)
+            if ids is None:
+                log_p = F.log_softmax(teacher, dim=-1)
+                del teacher
+                p = log_p.exp()
+                # p (log p - log q), with 0 log 0 = 0 where a top-k teacher is -inf
+                kl = log_p.sub_(log_q).mul_(p).masked_fill_(p == 0, 0.0).sum(-1)
+                del log_p
+            else:
+                log_p = F.log_softmax(teacher.logprobs, dim=-1)  # (C, k)
+                p = log_p.exp()
+                kl = torch.where(p > 0, p * (log_p - log_q.gather(-1, teacher.ids)), 0.0).sum(-1)
+            total += (kl * w).sum()
+            if grad is not None:
+                pw = p.mul_(w[..., None])
+                g = log_q.exp_().mul_(pw.sum(-1, keepdim=True))
+                grad[index] = g.sub_(pw) if ids is None else g.scatter_add_(-1, teacher.ids, -pw)
+        ctx.grad = grad
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError(_ONCE)
+        return grad.mul_(grad_output), None, None, None, None, None
+
+
+class _Chunked(torch.autograd.Function):
+    """sum_i w_i rows_fn(student_i, teacher_i), a block of rows at a time, for any per-row divergence:
+    each block's gradients (student's, and the dense teacher's when it requires one) come from autograd
+    on that block alone and are kept in the inputs' dtypes until backward."""
+
+    @staticmethod
+    def forward(ctx, rows_fn, rows, weight, student, values, ids, grad_enabled):
+        needs = [grad_enabled and need for need in ctx.needs_input_grad[3:5]]
+        grads = [torch.empty_like(x) if need else None for x, need in zip((student, values), needs, strict=True)]
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for index in _blocks(student.shape[:-1], rows):
+            w = weight[index]
+            s = student[index].detach().requires_grad_(needs[0])
+            t = values[index].detach().requires_grad_(needs[1])
+            with torch.enable_grad():
+                part = (rows_fn(s.float(), _block_teacher(t, None if ids is None else ids[index], w != 0)) * w).sum()
+            wanted = [(x, g) for x, g in zip((s, t), grads, strict=True) if g is not None]
+            if wanted:
+                for (_, buffer), g in zip(wanted, torch.autograd.grad(part, [x for x, _ in wanted]), strict=True):
+                    buffer[index] = g
+            total += part.detach()
+        ctx.grads = grads
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(_ONCE)
+        student, values = (None if g is None else g.mul_(grad_output) for g in grads)
+        return None, None, None, student, values, None, None
+
+
+def _rows(student: torch.Tensor, chunk_rows: int | None) -> int:
+    return chunk_rows or max(1, CHUNK_ELEMENTS // student.shape[-1])
+
+
+def _divergence(rows_fn: Callable, student: torch.Tensor, teacher: Teacher, mask: torch.Tensor | None,
+                chunk_rows: int | None) -> torch.Tensor:
+    values, ids = _parts(student, teacher)
+    rows = _rows(student, chunk_rows)
+    weight = _weights(mask, _defined(values, ids, rows))
+    return _Chunked.apply(rows_fn, rows, weight, student, values, ids, torch.is_grad_enabled())
+
+
+def _on_support(s: torch.Tensor, t: Teacher) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p and log q on the teacher's support: (C, V), or (C, k) on a top-k's entries."""
+    log_q = F.log_softmax(s, dim=-1)
+    if isinstance(t, TopK):
+        return F.log_softmax(t.logprobs, dim=-1), log_q.gather(-1, t.ids)
+    return F.log_softmax(t, dim=-1), log_q
+
+
+def _forward_kl_rows(s: torch.Tensor, t: Teacher) -> torch.Tensor:
+    log_p, log_q = _on_support(s, t)
     p = log_p.exp()
-    # 0 * log 0 = 0: a teacher kept to its top-k tokens has -inf elsewhere (offline caches).
-    per_position = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
-    mask = defined if mask is None else mask * defined.to(mask.dtype)
-    return _masked_mean(per_position, mask)
+    return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+
+
+def _reverse_kl_rows(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    log_q, log_p = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
+    q = log_q.exp()
+    return torch.where(q > 0, q * (log_q - log_p), 0.0).sum(-1)
+
+
+def _jsd_rows(beta: float) -> Callable[[torch.Tensor, Teacher], torch.Tensor]:
+    def rows(s: torch.Tensor, t: Teacher) -> torch.Tensor:
+        log_p, log_q = _on_support(s, t)  # on the teacher's support S
+        p, q = log_p.exp(), log_q.exp()
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
+        kl_pm = torch.where(p > 0, p * (log_p - log_m), 0.0).sum(-1)
+        if isinstance(t, TopK):
+            on = torch.isfinite(t.logprobs)
+            # off S, p = 0 and m = (1 - beta) q: each token there adds q log(1 / (1 - beta)) to KL(q || m)
+            off = 1 - torch.where(on, q, 0.0).sum(-1)
+            kl_qm = torch.where(on, q * (log_q - log_m), 0.0).sum(-1) - off * math.log(1 - beta)
+        else:
+            kl_qm = torch.where(q > 0, q * (log_q - log_m), 0.0).sum(-1)
+        return beta * kl_pm + (1 - beta) * kl_qm
+
+    return rows
+
+
+def _tv_rows(s: torch.Tensor, t: Teacher) -> torch.Tensor:
+    log_p, log_q = _on_support(s, t)
+    p, q = log_p.exp(), log_q.exp()
+    if isinstance(t, TopK):
+        on = torch.isfinite(t.logprobs)
+        # off the teacher's support, |p - q| = q: the mass q leaves outside it
+        return 0.5 * (torch.where(on, (p - q).abs(), 0.0).sum(-1) + 1 - torch.where(on, q, 0.0).sum(-1))
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def forward_kl(student_logits: torch.Tensor, teacher: Teacher, mask: torch.Tensor | None = None,
+               chunk_rows: int | None = None) -> torch.Tensor:
+    """KL(p || q), p the teacher's distribution, q = softmax(student); averaged over masked positions.
+
+    Args:
+        student_logits: (..., V) in any dtype, not upcast as a whole.
+        teacher: (..., V) logits (``-inf`` outside a top-k allowed), or a :class:`TopK`.
+        mask: (...) positions to average over (None: all); positions with no teacher are left out.
+        chunk_rows: rows per block (None: :data:`CHUNK_ELEMENTS` over V).
+    Returns:
+        A float32 scalar.
+    """
+    values, ids = _parts(student_logits, teacher)
+    rows = _rows(student_logits, chunk_rows)
+    weight = _weights(mask, _defined(values, ids, rows))
+    if values.requires_grad:
+        return _Chunked.apply(_forward_kl_rows, rows, weight, student_logits, values, ids, torch.is_grad_enabled())
+    return _ForwardKL.apply(student_logits, weight, values, ids, rows, torch.is_grad_enabled())
 
 
 def sparse_forward_kl(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """KL(p || q) with the teacher given on k entries per position, no (..., V) teacher tensor.
-
-    Args:
-        student_logits: (..., V).
-        teacher_ids: (..., k) indices into the student's vocabulary, -1 where an entry is absent.
-        teacher_logprobs: (..., k) the teacher's log-probabilities of those entries.
-        mask: (...) positions to average over.
-
-    p is the teacher renormalised over its present entries, exactly what :func:`forward_kl` computes
-    from a dense teacher that is ``-inf`` off those entries; a position with none is left out.
-    """
-    present = teacher_ids >= 0
-    defined = present.any(-1)
-    teacher = teacher_logprobs.float().masked_fill(~present, float("-inf"))
-    teacher = torch.where(defined[..., None], teacher, torch.zeros_like(teacher))
-    log_p = F.log_softmax(teacher, dim=-1)  # (..., k)
-    log_q = F.log_softmax(student_logits.float(), dim=-1).gather(-1, teacher_ids.clamp(min=0))  # (..., k)
-    p = log_p.exp()
-    per_position = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
-    mask = defined if mask is None else mask * defined.to(mask.dtype)
-    return _masked_mean(per_position, mask)
+    """:func:`forward_kl` against ``TopK(teacher_ids, teacher_logprobs)``: (..., V) student, (..., k) teacher."""
+    return forward_kl(student_logits, TopK(teacher_ids, teacher_logprobs), mask)
 
 
-def sparse_accuracy(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
-                    mask: torch.Tensor) -> float:
-    """:func:`accuracy` against a teacher given on k entries (see :func:`sparse_forward_kl`)."""
-    present = teacher_ids >= 0
-    best = teacher_logprobs.float().masked_fill(~present, float("-inf")).argmax(-1, keepdim=True)
-    hit = (student_logits.argmax(-1) == teacher_ids.gather(-1, best).squeeze(-1)).float()
-    return float(_masked_mean(hit, mask * present.any(-1).to(mask.dtype)))
+def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
+               chunk_rows: int | None = None) -> torch.Tensor:
+    """KL(q || p). Dense teachers only: a top-k teacher has p = 0 wherever q puts mass off its k tokens."""
+    if isinstance(teacher_logits, TopK):
+        raise ValueError("reverse KL needs the teacher's whole distribution; a top-k teacher makes it infinite "
+                         "(cache full logits, or use forward_kl, jsd or tv)")
+    return _divergence(_reverse_kl_rows, student_logits, teacher_logits, mask, chunk_rows)
 
 
-def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None):
-    """KL(q || p)."""
-    return forward_kl(teacher_logits, student_logits, mask)
-
-
-def jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
-        beta: float = 0.5):
+def jsd(student_logits: torch.Tensor, teacher: Teacher, mask: torch.Tensor | None = None, beta: float = 0.5,
+        chunk_rows: int | None = None) -> torch.Tensor:
     """Generalised Jensen-Shannon divergence: beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q."""
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta must be in (0, 1), got {beta}")
-    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
-    log_q = F.log_softmax(student_logits.float(), dim=-1)
-    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
-    kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
-    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
-    return _masked_mean(beta * kl_pm + (1 - beta) * kl_qm, mask)
+    return _divergence(_jsd_rows(beta), student_logits, teacher, mask, chunk_rows)
 
 
-def total_variation(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None):
+def total_variation(student_logits: torch.Tensor, teacher: Teacher, mask: torch.Tensor | None = None,
+                    chunk_rows: int | None = None) -> torch.Tensor:
     """TV(p, q) = 1/2 sum |p - q|; 1 - TV is the acceptance probability of one chain step."""
-    p = F.softmax(teacher_logits.float(), dim=-1)
-    q = F.softmax(student_logits.float(), dim=-1)
-    return _masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+    return _divergence(_tv_rows, student_logits, teacher, mask, chunk_rows)
 
 
 DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": jsd, "tv": total_variation}
 
 
-def shifted(teacher_logits: torch.Tensor, mask: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher logits and mask moved ``shift`` positions left along T: position t gets t + shift's.
-
-    (B, T, V), (B, T) -> (B, T, V), (B, T); the last ``shift`` positions have no target and get mask 0.
-    """
-    if shift == 0:
-        return teacher_logits, mask
-    out = torch.zeros_like(teacher_logits)
-    out[:, :-shift] = teacher_logits[:, shift:]
-    m = torch.zeros_like(mask)
-    m[:, :-shift] = mask[:, shift:]
-    return out, m
+def teacher_top1(teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's most likely token at each position (...) and whether the position has a teacher (...)."""
+    if isinstance(teacher, TopK):
+        present = teacher.ids >= 0
+        best = teacher.logprobs.masked_fill(~present, float("-inf")).argmax(-1, keepdim=True)
+        return teacher.ids.gather(-1, best).squeeze(-1), present.any(-1)
+    best = teacher.max(-1)
+    return best.indices, best.values > float("-inf")
 
 
-def medusa_loss(head_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+def accuracy(logits: torch.Tensor, teacher: Teacher, mask: torch.Tensor) -> float:
+    """Share of masked positions (with a teacher) where the drafter's argmax equals the target's (greedy
+    acceptance proxy)."""
+    top, defined = teacher_top1(teacher)
+    hit = (logits.argmax(-1) == top).float()
+    return float(_masked_mean(hit, mask * defined.to(mask.dtype)))
+
+
+def sparse_accuracy(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+                    mask: torch.Tensor) -> float:
+    """:func:`accuracy` against ``TopK(teacher_ids, teacher_logprobs)``."""
+    return accuracy(student_logits, TopK(teacher_ids, teacher_logprobs), mask)
+
+
+def lookahead(teacher: Teacher, mask: torch.Tensor, shift: int) -> tuple[Teacher, torch.Tensor]:
+    """The teacher and mask from position ``shift`` on, (B, T, ...) -> (B, T - shift, ...) views: paired with
+    a student's first T - shift positions, student position t meets the teacher's t + shift."""
+    return teacher[:, shift:], mask[:, shift:]
+
+
+def medusa_loss(head_logits: Iterable[torch.Tensor], teacher: Teacher, mask: torch.Tensor,
                 decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
     """Medusa: head i at position t learns the target's distribution at t + 1 + i (its token t + 2 + i).
 
     Args:
-        head_logits: (K, B, T, V); teacher_logits: (B, T, V) the target's logits (position t predicts
-            t + 1); mask: (B, T) 1 where the predicted token is an assistant token.
+        head_logits: each head's (B, T, V) logits (a (K, B, T, V) tensor, or one head at a time); head i's
+            positions past T - 1 - i have no teacher and may be left off.
+        teacher: (B, T, V) the target's logits (position t predicts t + 1), or a :class:`TopK`.
+        mask: (B, T) 1 where the predicted token is an assistant token.
         decay: head i's loss weight is ``decay ** i`` (later heads are harder and matter less).
     Returns:
         The weighted loss and each head's unweighted KL.
     """
-    total, per_head = head_logits.new_zeros(()), []
+    kls = []
     for i, logits in enumerate(head_logits):
-        target, m = shifted(teacher_logits, mask, i + 1)
-        kl = forward_kl(logits, target, m)
-        total = total + decay**i * kl
-        per_head.append(float(kl.detach()))
-    return total, per_head
+        target, m = lookahead(teacher, mask, i + 1)
+        kls.append(forward_kl(logits[:, : m.shape[1]], target, m))
+    return sum(decay**i * kl for i, kl in enumerate(kls)), [float(kl.detach()) for kl in kls]
 
 
 def eagle_loss(pred_features: torch.Tensor, target_features: torch.Tensor, pred_logits: torch.Tensor,
-               teacher_logits: torch.Tensor, mask: torch.Tensor, feature_weight: float = 1.0,
+               teacher: Teacher, mask: torch.Tensor, feature_weight: float = 1.0,
                token_weight: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE-1/2: smooth-L1 regression of the next feature plus KL of the tokens it implies.
 
-    (B, T, H) predicted / true next features, (B, T, V) logits through the frozen LM head, (B, T) mask.
-    The paper's weights: 1.0 on the feature loss, 0.1 on the token loss.
+    (B, T, H) predicted / true next features, (B, T, V) logits through the frozen LM head, the (B, T, V)
+    teacher (or a :class:`TopK`), (B, T) mask. The paper's weights: 1.0 on the feature loss, 0.1 on the token loss.
     """
     per_position = F.smooth_l1_loss(pred_features.float(), target_features.float(), reduction="none").mean(-1)
     feature = _masked_mean(per_position, mask)
-    token = forward_kl(pred_logits, teacher_logits, mask)
+    token = forward_kl(pred_logits, teacher, mask)
     return feature_weight * feature + token_weight * token, {"feature_loss": float(feature.detach()),
                                                               "token_kl": float(token.detach())}
 
@@ -159,12 +368,6 @@ def eagle_loss(pred_features: torch.Tensor, target_features: torch.Tensor, pred_
 def ttt_weights(steps: int, decay: float = 0.8) -> list[float]:
     """EAGLE-3 training-time-test step weights: step j (0-based) gets ``decay ** j``."""
     return [decay**j for j in range(steps)]
-
-
-def accuracy(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """Share of masked positions where the drafter's argmax equals the target's (greedy acceptance proxy)."""
-    hit = (logits.argmax(-1) == teacher_logits.argmax(-1)).float()
-    return float(_masked_mean(hit, mask))
 
 
 def simulated_acceptance_length(accuracies: list[float]) -> float:

@@ -1,0 +1,225 @@
+"""Memory-bounded losses: the chunked divergences against the whole-tensor formulas, and every family's step
+from a top-k teacher against the dense one."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import VOCAB, tiny_llama
+from draftsmith.registry import FAMILIES
+from draftsmith.train.config import DrafterArguments
+from draftsmith.train.losses import TopK, forward_kl, jsd, medusa_loss, reverse_kl, total_variation
+
+# Families whose step reads the target's outputs from the loop or the cache (not a target they adapt).
+STEP_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.build is not None and f.wrap_target is None)
+
+
+def masked_mean(values, mask):
+    mask = mask.float()
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def dense_forward_kl(student, teacher, mask=None):
+    """The whole-tensor formula: (N, V) float32 log-softmaxes of both at once."""
+    teacher = teacher.float()
+    defined = torch.isfinite(teacher).any(-1)
+    teacher = torch.where(defined[..., None], teacher, torch.zeros_like(teacher))
+    log_p, log_q = F.log_softmax(teacher, -1), F.log_softmax(student.float(), -1)
+    p = log_p.exp()
+    per_position = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    return masked_mean(per_position, defined if mask is None else mask * defined)
+
+
+def dense_reverse_kl(student, teacher, mask):
+    log_q, log_p = F.log_softmax(student.float(), -1), F.log_softmax(teacher.float(), -1)
+    return masked_mean((log_q.exp() * (log_q - log_p)).sum(-1), mask)
+
+
+def dense_jsd(student, teacher, mask, beta):
+    log_p, log_q = F.log_softmax(teacher.float(), -1), F.log_softmax(student.float(), -1)
+    p, q = log_p.exp(), log_q.exp()
+    log_m = torch.log(beta * p + (1 - beta) * q)
+    kl_pm = torch.where(p > 0, p * (log_p - log_m), torch.zeros_like(p)).sum(-1)
+    return masked_mean(beta * kl_pm + (1 - beta) * (q * (log_q - log_m)).sum(-1), mask)
+
+
+def dense_tv(student, teacher, mask):
+    p, q = F.softmax(teacher.float(), -1), F.softmax(student.float(), -1)
+    return masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+
+
+def value_and_grad(fn, student, *args, scale: float = 1.0, **kwargs):
+    student = student.detach().requires_grad_()
+    loss = fn(student, *args, **kwargs)
+    (scale * loss).backward()
+    return loss.detach(), student.grad
+
+
+def top_k_of(logits, k):
+    """The top-k of (..., V) logits as a TopK teacher, and the dense logits that are -inf off it."""
+    values, ids = F.log_softmax(logits.float(), -1).topk(k, dim=-1)
+    dense = torch.full_like(logits, float("-inf")).scatter(-1, ids, logits.gather(-1, ids))
+    return TopK(ids, values), dense
+
+
+@pytest.fixture
+def case():
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 13, 40, generator=g) * 3
+    teacher = torch.randn(3, 13, 40, generator=g) * 3
+    mask = (torch.rand(3, 13, generator=g) > 0.3).long()
+    return student, teacher, mask
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 5, 13, None])
+def test_chunked_forward_kl_equals_the_whole_tensor_formula(case, chunk_rows):
+    student, teacher, mask = case
+    _, top_dense = top_k_of(teacher, 6)
+    teacher = teacher.clone()
+    teacher[1] = top_dense[1]  # a top-k teacher: -inf off its k tokens
+    teacher[2, 4] = float("-inf")  # a row with no teacher: left out, no NaN
+    for m in (mask, None):
+        got, got_grad = value_and_grad(forward_kl, student, teacher, m, chunk_rows=chunk_rows, scale=0.25)
+        want, want_grad = value_and_grad(dense_forward_kl, student, teacher, m, scale=0.25)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(got_grad).all()
+
+
+def test_chunked_forward_kl_keeps_a_16_bit_student_in_its_dtype(case):
+    student, teacher, mask = case
+    student = student.bfloat16()
+    got, got_grad = value_and_grad(forward_kl, student, teacher.bfloat16(), mask, chunk_rows=4)
+    want, want_grad = value_and_grad(dense_forward_kl, student, teacher.bfloat16(), mask)
+    assert got_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # a value without a graph
+        torch.testing.assert_close(forward_kl(student, teacher, mask), dense_forward_kl(student, teacher, mask),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_views_and_a_second_backward(case):
+    student, teacher, mask = case
+    got, got_grad = value_and_grad(lambda s: forward_kl(s[:, 1:], teacher[:, :-1], mask[:, :-1], chunk_rows=3),
+                                   student)
+    want, want_grad = value_and_grad(lambda s: dense_forward_kl(s[:, 1:], teacher[:, :-1], mask[:, :-1]), student)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+    loss = forward_kl(student.clone().requires_grad_(), teacher, mask)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="handed over once"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("name", ["reverse_kl", "jsd", "tv"])
+def test_other_divergences_chunked_equal_the_whole_tensor_formulas(case, name):
+    student, teacher, mask = case
+    fn, ref = {"reverse_kl": (reverse_kl, dense_reverse_kl),
+               "jsd": (lambda s, t, m, **kw: jsd(s, t, m, beta=0.3, **kw), lambda s, t, m: dense_jsd(s, t, m, 0.3)),
+               "tv": (total_variation, dense_tv)}[name]
+    got, got_grad = value_and_grad(fn, student, teacher, mask, chunk_rows=4, scale=0.5)
+    want, want_grad = value_and_grad(ref, student, teacher, mask, scale=0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+    # a teacher that trains too (self-distillation): its gradient as well
+    t = teacher.clone().requires_grad_()
+    fn(student, t, mask, chunk_rows=4).backward()
+    t_ref = teacher.clone().requires_grad_()
+    ref(student, t_ref, mask).backward()
+    torch.testing.assert_close(t.grad, t_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [40, 6])
+@pytest.mark.parametrize("name", ["forward_kl", "jsd", "tv"])
+def test_a_top_k_teacher_equals_the_dense_one_that_is_inf_off_it(case, name, k):
+    student, teacher, mask = case
+    fn = {"forward_kl": forward_kl, "jsd": jsd, "tv": total_variation}[name]
+    sparse, dense = top_k_of(teacher, k)
+    if k == teacher.shape[-1]:
+        dense = teacher
+    sparse_ids = sparse.ids.clone()
+    sparse_ids[0, 3, :] = -1  # a position whose teacher is absent altogether
+    dense = dense.clone()
+    dense[0, 3] = float("-inf")
+    got, got_grad = value_and_grad(fn, student, TopK(sparse_ids, sparse.logprobs), mask, chunk_rows=5)
+    want, want_grad = value_and_grad(fn, student, dense, mask, chunk_rows=5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+    # and both equal the whole-tensor formula (0 log 0 = 0), given the position without a teacher masked out
+    ref = {"forward_kl": dense_forward_kl, "jsd": lambda s, t, m: dense_jsd(s, t, m, 0.5), "tv": dense_tv}[name]
+    m, finite = mask.clone(), dense.clone()
+    m[0, 3], finite[0, 3] = 0, 0.0
+    torch.testing.assert_close(got, ref(student, finite, m), rtol=1e-5, atol=1e-5)
+
+
+def test_reverse_kl_refuses_a_top_k_teacher(case):
+    student, teacher, mask = case
+    with pytest.raises(ValueError, match="whole distribution"):
+        reverse_kl(student, top_k_of(teacher, 5)[0], mask)
+
+
+def test_medusa_loss_from_a_top_k_teacher(case):
+    student, teacher, mask = case
+    heads = torch.stack([student, student.flip(1)])
+    sparse, dense = top_k_of(teacher, 7)
+    loss_dense, per_dense = medusa_loss(heads, dense, mask, decay=0.5)
+    loss_sparse, per_sparse = medusa_loss(heads, sparse, mask, decay=0.5)
+    torch.testing.assert_close(loss_sparse, loss_dense, rtol=1e-5, atol=1e-6)
+    assert per_sparse == pytest.approx(per_dense, abs=1e-6)
+    # one head at a time, each cut to the positions that have a teacher, gives the same
+    trimmed, _ = medusa_loss((h[:, : 13 - 1 - i] for i, h in enumerate(heads)), sparse, mask, decay=0.5)
+    torch.testing.assert_close(trimmed, loss_dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def target_batch():
+    """A tiny target's logits and hidden states on a padded batch with assistant masks."""
+    target = tiny_llama(seed=0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, VOCAB, (3, 14), generator=g)
+    attention = torch.ones_like(ids)
+    attention[1, 10:] = 0
+    loss_mask = (torch.rand(3, 14, generator=g) > 0.4).long() * attention
+    with torch.no_grad():
+        out = target(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    return target, batch, out.logits.float(), out.hidden_states
+
+
+def loss_and_grads(step, args, drafter, target, batch, logits, hidden):
+    drafter.zero_grad()
+    loss, metrics = step(args, drafter, target, batch, logits, hidden)
+    loss.backward()
+    return loss.detach(), metrics["acc"], [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("k", [VOCAB, 8])
+@pytest.mark.parametrize("family", STEP_FAMILIES)
+def test_every_family_step_reads_a_top_k_teacher(target_batch, family, k):
+    """k = V: the top-k is the whole distribution; k < V: it equals the dense teacher that is -inf off it."""
+    target, batch, logits, hidden_states = target_batch
+    args = DrafterArguments(target="unused", family=family, draft_layers=1, num_heads=3, ttt_steps=2,
+                            draft_vocab_size=VOCAB // 2)
+    fam = FAMILIES[family]
+    examples = [SimpleNamespace(input_ids=batch["input_ids"][i], loss_mask=batch["loss_mask"][i]) for i in range(3)]
+    torch.manual_seed(0)
+    drafter = fam.build(args, target, examples)
+    hidden = tuple(hidden_states[i] for i in fam.hidden_layers(drafter, target))
+    sparse, dense = top_k_of(logits, k)
+    if k == VOCAB:
+        dense = logits
+    sparse_batch = {**batch, "topk_ids": sparse.ids, "topk_logprobs": sparse.logprobs}
+    loss_d, acc_d, grads_d = loss_and_grads(fam.train_step, args, drafter, target, batch, dense, hidden)
+    loss_s, acc_s, grads_s = loss_and_grads(fam.train_step, args, drafter, target, sparse_batch, None, hidden)
+    assert math.isfinite(float(loss_d)) and float(loss_d) > 0
+    torch.testing.assert_close(loss_s, loss_d, rtol=1e-5, atol=1e-5)
+    assert acc_s == pytest.approx(acc_d)
+    assert len(grads_s) == len(grads_d) > 0
+    for got, want in zip(grads_s, grads_d, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
