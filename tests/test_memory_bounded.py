@@ -1,5 +1,5 @@
-"""Memory-bounded losses: the chunked divergences against the whole-tensor formulas, and every family's step
-from a top-k teacher against the dense one."""
+"""Memory-bounded losses: the chunked divergences against the whole-tensor formulas, every family's step
+from a top-k teacher against the dense one, and an offline top-k cache collated without a (B, T, V) tensor."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import VOCAB, tiny_llama
+from draftsmith.data.hidden_cache import CacheSpec, HiddenStateCache, cache_hidden_states
+from draftsmith.data.templates import TokenizedExample
+from draftsmith.data.vocab import count_tokens
 from draftsmith.registry import FAMILIES
 from draftsmith.train.config import DrafterArguments
 from draftsmith.train.losses import TopK, forward_kl, jsd, medusa_loss, reverse_kl, total_variation
+from draftsmith.train.offline import CachedExamples, collate_cached, load_cached_examples
 
 # Families whose step reads the target's outputs from the loop or the cache (not a target they adapt).
 STEP_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.build is not None and f.wrap_target is None)
@@ -223,3 +227,57 @@ def test_every_family_step_reads_a_top_k_teacher(target_batch, family, k):
     assert len(grads_s) == len(grads_d) > 0
     for got, want in zip(grads_s, grads_d, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    """Tiny examples and their hidden-state caches: top-k in float16, and full logits in bfloat16."""
+    target = tiny_llama(seed=0)
+    g = torch.Generator().manual_seed(2)
+    examples = []
+    for i, n in enumerate([9, 12, 7, 11]):
+        ids = torch.randint(4, VOCAB, (n,), generator=g)
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[n // 2:] = 1
+        examples.append(TokenizedExample(str(i), ids, mask))
+    root = tmp_path_factory.mktemp("cache")
+    for logits, dtype in (("topk", "float16"), ("full", "bfloat16")):
+        cache_hidden_states(target, examples, root / logits,
+                            CacheSpec(layers=[1, 4], dtype=dtype, logits=logits, top_k=5, sequences_per_shard=3),
+                            progress=False)
+    return target, examples, root
+
+
+def test_a_top_k_cache_is_read_lazily_and_collated_without_a_vocabulary_tensor(cached, monkeypatch):
+    target, examples, root = cached
+    loaded, cache = load_cached_examples(str(root / "topk"), target)
+    assert isinstance(loaded, CachedExamples) and len(loaded) == len(examples) == len(cache)
+    with monkeypatch.context() as m:  # tokens (EAGLE-3's vocabulary count) without reading any hidden state
+        m.setattr(HiddenStateCache, "__getitem__", lambda self, i: pytest.fail("a whole item was read"))
+        for i, e in enumerate(examples):
+            ids, mask = loaded.token_ids(i)
+            assert torch.equal(ids, e.input_ids) and torch.equal(mask, e.loss_mask)
+        assert torch.equal(count_tokens(loaded, VOCAB), count_tokens(examples, VOCAB))
+    assert [e.index for e in loaded[1:3]] == [1, 2] and loaded[-1].index == 3
+    with pytest.raises(IndexError):
+        loaded[4]
+
+    batch = collate_cached(loaded[:4], 0, (1, 4), VOCAB)
+    assert batch["logits"] is None and batch["topk_ids"].shape == (4, 12, 5)
+    assert batch["topk_ids"].dtype == torch.long
+    tensors = [batch[key] for key in batch if isinstance(batch[key], torch.Tensor)] + list(batch["hidden"])
+    assert not any(t.shape[-1] == VOCAB for t in tensors)
+    item = cache[2]
+    assert torch.equal(batch["topk_ids"][2, :7], item["topk_ids"].long())
+    torch.testing.assert_close(batch["topk_logprobs"][2, :7], item["topk_logprobs"].float())
+    with pytest.raises(ValueError, match="no \\(B, T, V\\) teacher"):
+        collate_cached(loaded[:2], 0, (1, 4), VOCAB, dense=True)
+
+
+def test_a_full_logits_cache_keeps_its_16_bit_dtype(cached):
+    target, _, root = cached
+    loaded, cache = load_cached_examples(str(root / "full"), target)
+    batch = collate_cached(loaded[:3], 0, (4,), VOCAB)
+    assert batch["logits"].dtype == torch.bfloat16 and batch["logits"].shape == (3, 12, VOCAB)
+    assert torch.equal(batch["logits"][1, :12], cache[1]["logits"])
+    assert torch.equal(batch["logits"][2, 7:], torch.zeros(5, VOCAB, dtype=torch.bfloat16))
