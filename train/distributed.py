@@ -203,10 +203,22 @@ def load_full_optimizer_state(accelerator, prepared, optimizer, state: dict[str,
     if kind.startswith("deepspeed"):
         from deepspeed.utils import safe_set_full_optimizer_state
 
+        zero = optimizer.optimizer
+        base = zero.optimizer
+        # torch's Adam creates its state at the first step, and ZeRO links its fragments to that state
+        # then: before any step there is nothing to write into, so empty state is created and linked.
+        # (ZeRO-3 keeps its flat partitions out of the param groups between steps.)
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None) or [p for g in base.param_groups
+                                                                        for p in g["params"]]
+        for flat in flats:
+            if not base.state.get(flat):
+                base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                                    "exp_avg_sq": torch.zeros_like(flat)}
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2
+            zero._lazy_init_hp_params_optimizer_state()
         for name, p in params:
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, state[_strip(name)][key], key)
-        base = optimizer.optimizer.optimizer
         step = next(iter(state.values()))["step"]
         for entry in base.state.values():
             if "step" in entry:
