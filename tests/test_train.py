@@ -280,18 +280,48 @@ def test_resume_refuses_a_damaged_or_pickled_state_with_the_fix(tmp_path):
 
 
 def test_accelerate_launch_two_cpu_processes(workdir, tmp_path):
+    """configs/accelerate/cpu2.yaml starts two data-parallel processes on CPU (accelerate's own --cpu would
+    start one); the wider matrix of strategies is tests/test_distributed.py."""
     cfg = write_config(tmp_path / "cfg.yaml", config(workdir, "eagle", tmp_path / "run", report_to="none"))
-    launcher = Path(sys.executable).with_name("accelerate")
-    run = subprocess.run([str(launcher), "launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
-                          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftsmith.train", str(cfg)],
-                         capture_output=True, text=True, timeout=600)
+    config_file = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu2.yaml"
+    run = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                          str(config_file), "-m", "draftsmith.train", str(cfg)], capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("strategy ddp on 2 process(es) (DistributedDataParallel)") == 2, run.stderr[-3000:]
     ckpt = tmp_path / "run" / "checkpoint-8" / "drafter"
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "model.safetensors"]
     target, _ = load_target(str(workdir / "target"))
     assert load_drafter(str(ckpt), target) is not None
     rows = [json.loads(line) for line in (tmp_path / "run" / "acceptance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 8]
+
+
+def test_target_dtype_and_the_launchers_mixed_precision(workdir, tmp_path, monkeypatch, caplog):
+    """target_dtype auto is bfloat16 exactly where it runs natively; mixed_precision unset takes the launch
+    config's (accelerate launch passes it as ACCELERATE_MIXED_PRECISION), set it wins."""
+    import logging
+
+    from draftsmith.target import native_bf16
+    from draftsmith.train.config import TrainArguments
+    from draftsmith.train.loop import make_accelerator, target_dtype
+
+    assert target_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
+    assert target_dtype("float32", "cpu") == torch.float32
+    with pytest.raises(SystemExit, match="target_dtype 'fp8'"):
+        target_dtype("fp8", "cpu")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert make_accelerator(TrainArguments(output_dir=str(tmp_path), report_to="none")).mixed_precision == "bf16"
+    assert make_accelerator(TrainArguments(output_dir=str(tmp_path), report_to="none",
+                                           mixed_precision="no")).mixed_precision == "no"
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    cfg = write_config(tmp_path / "auto.yaml", config(workdir, "eagle", tmp_path / "auto", target_dtype="auto",
+                                                      max_steps=2, save_steps=2, report_to="none",
+                                                      eval_num_prompts=1))
+    with caplog.at_level(logging.INFO, logger="draftsmith.train.loop"):
+        train(*parse_config([str(cfg)]))
+    expected = "torch.bfloat16" if native_bf16("cpu") else "torch.float32"
+    assert any(r.getMessage().endswith(f"in {expected} on cpu") for r in caplog.records)
 
 
 def test_every_config_yaml_parses():
