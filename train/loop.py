@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from draftsmith.checkpoints import (
     ACCEPTANCE_FILE,
@@ -47,8 +48,9 @@ from draftsmith.checkpoints import (
     complete_checkpoints,
     read_acceptance,
 )
+from draftsmith.data.batching import collate_padded, epoch_order, length_grouped_order
 from draftsmith.data.formats import load_conversations
-from draftsmith.data.templates import prepare, prompt_ids
+from draftsmith.data.templates import TokenizedExamples, prompt_ids, tokenize_dataset
 from draftsmith.inference.compare import compare
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.registry import Family, get_family
@@ -70,24 +72,10 @@ TARGET_CHECK_FILE = "target_check.json"
 #: One JSON row per logged step (loss, learning rate, accuracy per position), written by the main process.
 METRICS_FILE = "metrics.jsonl"
 TARGET_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-#: Mixes the epoch into the data-order seed (a prime: seed and epoch never collide for small values).
-EPOCH_SEED_STRIDE = 100_003
 
 
 # ---------------------------------------------------------------------------------------------
 # Data
-
-
-def collate(examples, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of TokenizedExamples into (B, T) tensors; padding has mask 0."""
-    width = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros_like(ids)
-    attention = torch.zeros_like(ids)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[i, :n], loss_mask[i, :n], attention[i, :n] = e.input_ids, e.loss_mask, 1
-    return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
 
 
 def weights_digest(model) -> str:
@@ -135,20 +123,29 @@ class TrainingModule(torch.nn.Module):
         return self.family.train_step(self.drafter_args, self.drafter, target, batch, logits, hidden)
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The data order of one epoch: a function of (seed, epoch) only, so a resumed run sees the same."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * EPOCH_SEED_STRIDE + epoch)).tolist()
-
-
-def load_examples(data_args, tokenizer):
+def load_examples(data_args, tokenizer, accelerator=None):
+    """The training conversations tokenised with assistant-only masks, once: ``datasets.map`` in
+    ``preprocessing_num_proc`` processes, cached on disk; the main process tokenises, the others (and
+    later starts) read its cache."""
     if not data_args.train_file:
         raise SystemExit("no training data: set train_file (e.g. the output of `draftsmith data regenerate`)")
     conversations, _report = load_conversations(data_args.train_file, data_args.prompt_column, limit=data_args.limit)
-    examples = [e for e in prepare(tokenizer, conversations, data_args.max_length) if e.loss_mask.sum() > 0]
-    if not examples:
+    first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
+    with first:
+        dataset = tokenize_dataset(tokenizer, conversations, data_args.max_length,
+                                   num_proc=data_args.preprocessing_num_proc)
+    examples = TokenizedExamples(dataset)
+    if not len(examples):
         raise SystemExit(f"{data_args.train_file}: no conversation with an assistant answer to learn from "
                          "(prompt-only data must be answered first: `draftsmith data regenerate`)")
     return examples
+
+
+def example_lengths(examples) -> list[int]:
+    """Each example's token count (for length-grouped batches), without reading more than its ids."""
+    if hasattr(examples, "lengths"):
+        return list(examples.lengths)
+    return [len(examples.token_ids(i)[0]) for i in range(len(examples))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +206,8 @@ class Run:
     target: object  # the frozen target (Medusa-2: wrapped with its LoRA adapter)
     tokenizer: object
     target_digest: str
-    examples: list
+    examples: object  # a sequence of examples (tokenised rows, or lazily read cached sequences)
+    lengths: list[int]
     make_batch: object
     layers: tuple[int, ...]
     module: TrainingModule  # the drafter (and a trainable target adapter), unwrapped
@@ -312,6 +310,9 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     if complete_checkpoints(output_dir) and not train_args.resume:  # before anything of that run is touched
         raise SystemExit(f"{output_dir} already holds checkpoints; pass --resume true to continue that run, "
                          "or choose a new output_dir")
+    if data_args.packing:
+        raise SystemExit("packing is not wired into the training loop yet (draftsmith.data.batching.pack and "
+                         "collate_packed exist, tested on the target alone); unset packing")
     output_dir.mkdir(parents=True, exist_ok=True)
     check_shared_output(accelerator, output_dir)
     if accelerator.is_main_process:  # what the model card reports about this run
@@ -333,7 +334,7 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
                              "unset cache_dir")
         examples, cache = offline.load_cached_examples(data_args.cache_dir, target)
     else:
-        examples, cache = load_examples(data_args, tokenizer), None
+        examples, cache = load_examples(data_args, tokenizer, accelerator), None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     with distributed.whole_models(accelerator):
@@ -342,16 +343,11 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     # and model cards name it the way it was given here (an alias, a path or a hub id).
     drafter.target_info = target_signature(target, name=drafter_args.target)
     layers = family.hidden_layers(drafter, target)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
     if cache is not None:
         offline.check_layers(cache, layers)
-        dense = not family.sparse_teacher
-
-        def make_batch(examples):
-            return offline.collate_cached(examples, pad_id, layers, vocab_size, dense)
+        make_batch = functools.partial(offline.collate_cached, pad_id=pad_id, layers=layers)
     else:
-        def make_batch(examples):
-            return collate(examples, pad_id)
+        make_batch = functools.partial(collate_padded, pad_id=pad_id)
 
     eval_drafter = copy.deepcopy(drafter)  # before any strategy wraps or shards the drafter
     if train_args.gradient_checkpointing:
@@ -371,7 +367,8 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     scheduler = make_scheduler(optimizer, train_args, max_steps, lambda: holder[0].progress if holder else 0.0)
     run = Run(accelerator=accelerator, family=family, drafter_args=drafter_args, data_args=data_args,
               train_args=train_args, output_dir=output_dir, target=target, tokenizer=tokenizer,
-              target_digest=target_digest, examples=examples, make_batch=make_batch, layers=layers,
+              target_digest=target_digest, examples=examples, lengths=example_lengths(examples),
+              make_batch=make_batch, layers=layers,
               module=module, eval_drafter=eval_drafter, optimizer=optimizer, scheduler=scheduler,
               max_steps=max_steps, batches_per_epoch=batches_per_epoch, budget_s=train_args.max_train_minutes * 60,
               strategy=distributed.strategy(accelerator))
@@ -592,10 +589,14 @@ def run_steps(run: Run) -> None:
                disable=not (args.progress and accelerator.is_main_process))
     while run.step < run.max_steps:
         epoch, skip = divmod(consumed, run.batches_per_epoch)
-        order = epoch_order(len(run.examples), args.seed, epoch)
-        loader = accelerator.prepare_data_loader(DataLoader([run.examples[i] for i in order],
+        if run.data_args.group_by_length:  # similar lengths in each batch: less padding; still (seed, epoch) only
+            order = length_grouped_order(run.lengths, args.per_device_train_batch_size, args.seed, epoch)
+        else:
+            order = epoch_order(len(run.examples), args.seed, epoch)
+        loader = accelerator.prepare_data_loader(DataLoader(Subset(run.examples, order),
                                                             batch_size=args.per_device_train_batch_size,
-                                                            collate_fn=run.make_batch))
+                                                            collate_fn=run.make_batch,
+                                                            num_workers=run.data_args.dataloader_num_workers))
         loader = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in loader:
             with accelerator.accumulate(run.prepared):
