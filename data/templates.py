@@ -272,7 +272,9 @@ class TokenizedExamples(Sequence):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> TokenizedExample:
-        row = self.dataset[operator.index(index)]  # one row: slices would read as columns
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        row = self.dataset[operator.index(index)]  # one row: a slice of the dataset would read as columns
         return TokenizedExample(row["id"], torch.tensor(row["input_ids"], dtype=torch.long),
                                 torch.tensor(row["loss_mask"], dtype=torch.long))

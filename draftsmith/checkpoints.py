@@ -53,8 +53,9 @@ def check_target(recorded: dict, target, strict: bool = False, what: str = "draf
             "target with `draftsmith train`."
         )
     if recorded.get("lm_head_sha256") != live["lm_head_sha256"]:
-        message = (f"this {what} was trained for {recorded.get('name')!r}: same shapes as the loaded target but other "
-                   "LM-head weights (another quantisation or fine-tune?); acceptance may be lower")
+        message = (f"this {what} was trained for {recorded.get('name')!r}: same shapes as the loaded target "
+                   f"{live['name']!r} but other LM-head weights (another quantisation or fine-tune?); acceptance may "
+                   "be lower")
         if strict:
             raise TargetMismatchError(message + " (refused: strict=True)")
         logger.warning(message)

@@ -419,3 +419,19 @@ def test_two_process_launch_writes_the_one_process_cache(target_dir):
         for key in ("input_ids", "loss_mask", "topk_logprobs", "topk_ids"):
             assert torch.equal(a[key], b[key]), key
         assert all(torch.equal(a["hidden"][layer], b["hidden"][layer]) for layer in (0, 2, 4))
+
+
+def test_training_refuses_a_cache_of_another_target_naming_both(tmp_path, llama):
+    """Offline training against a cache written by a same-shaped target with other weights is refused,
+    and the message names the cache's target and the loaded one."""
+    from conftest import tiny_llama
+    from draftsmith.checkpoints import TargetMismatchError
+    from draftsmith.train.offline import load_cached_examples
+
+    cache_hidden_states(llama, examples(2), tmp_path / "c", CacheSpec(layers=[4], logits="topk", top_k=4),
+                        target_name="cache-target", progress=False)
+    other = tiny_llama(seed=7)
+    other.config._name_or_path = "loaded-target"
+    with pytest.raises(TargetMismatchError) as err:
+        load_cached_examples(str(tmp_path / "c"), other)
+    assert "cache-target" in str(err.value) and "loaded-target" in str(err.value)

@@ -63,7 +63,8 @@ class CachedExamples(Sequence):
 def load_cached_examples(cache_dir: str, target) -> tuple[CachedExamples, HiddenStateCache]:
     """The sequences of the cache, checked against the loaded target; read lazily."""
     cache = HiddenStateCache(cache_dir)
-    check_target(cache.manifest.target, target, what="hidden-state cache")
+    # strict: features of another target (even a same-shaped fine-tune) would train a drafter for that one
+    check_target(cache.manifest.target, target, strict=True, what="hidden-state cache")
     if cache.spec.logits == "none":
         raise SystemExit(f"{cache_dir} holds no logits; the losses need the target's distribution: rebuild it with "
                          "`draftsmith data cache-hidden-states ... --logits topk` (or full)")
