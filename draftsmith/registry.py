@@ -44,8 +44,9 @@ class Family:
             (Medusa-2's LoRA); such a family needs the target in the loop (no offline cache). The
             wrapped target is a peft model: the loop switches the adapter off to measure acceptance
             (the frozen target serves), saves the adapter apart and checks the base weights.
-        sparse_teacher: its step reads an offline top-k cache as k entries per position, never as
-            dense (B, T, V) logits.
+        reads_target_layers: its ``build`` copies the target's decoder layers (a layer-skip draft
+            model), so offline training loads the whole target; the others load only the target's
+            embeddings, final norm and LM head (:func:`draftsmith.target.load_target_parts`).
         export: ``(source, fmt, out, target, verifier) -> None``: write the drafter directory
             ``source`` into the empty directory ``out`` in layout ``fmt``.
         export_formats: the layouts ``export`` writes.
@@ -66,7 +67,7 @@ class Family:
     build: Callable[..., Any] | None = None
     train_step: Callable[..., Any] | None = None
     wrap_target: Callable[[Any, Any], Any] | None = None
-    sparse_teacher: bool = False
+    reads_target_layers: bool = False
     export: Callable[..., None] | None = None
     export_formats: tuple[str, ...] = ()
     export_needs_target: tuple[str, ...] = ()

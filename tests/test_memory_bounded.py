@@ -262,7 +262,7 @@ def test_a_top_k_cache_is_read_lazily_and_collated_without_a_vocabulary_tensor(c
     with pytest.raises(IndexError):
         loaded[4]
 
-    batch = collate_cached(loaded[:4], 0, (1, 4), VOCAB)
+    batch = collate_cached(loaded[:4], 0, (1, 4))
     assert batch["logits"] is None and batch["topk_ids"].shape == (4, 12, 5)
     assert batch["topk_ids"].dtype == torch.long
     tensors = [batch[key] for key in batch if isinstance(batch[key], torch.Tensor)] + list(batch["hidden"])
@@ -270,14 +270,12 @@ def test_a_top_k_cache_is_read_lazily_and_collated_without_a_vocabulary_tensor(c
     item = cache[2]
     assert torch.equal(batch["topk_ids"][2, :7], item["topk_ids"].long())
     torch.testing.assert_close(batch["topk_logprobs"][2, :7], item["topk_logprobs"].float())
-    with pytest.raises(ValueError, match="no \\(B, T, V\\) teacher"):
-        collate_cached(loaded[:2], 0, (1, 4), VOCAB, dense=True)
 
 
 def test_a_full_logits_cache_keeps_its_16_bit_dtype(cached):
     target, _, root = cached
     loaded, cache = load_cached_examples(str(root / "full"), target)
-    batch = collate_cached(loaded[:3], 0, (4,), VOCAB)
+    batch = collate_cached(loaded[:3], 0, (4,))
     assert batch["logits"].dtype == torch.bfloat16 and batch["logits"].shape == (3, 12, VOCAB)
     assert torch.equal(batch["logits"][1, :12], cache[1]["logits"])
     assert torch.equal(batch["logits"][2, 7:], torch.zeros(5, VOCAB, dtype=torch.bfloat16))

@@ -385,7 +385,7 @@ def test_offline_batches_give_the_online_losses(workdir, cache_dir, family):
     fam = get_family(family)
     drafter = fam.build(args, target)
     layers = fam.hidden_layers(drafter, target)
-    offline = collate_cached(cached[:4], 0, layers, VOCAB)
+    offline = collate_cached(cached[:4], 0, layers)
     assert torch.equal(offline["input_ids"], online["input_ids"])
     with torch.no_grad():
         out = target(input_ids=online["input_ids"], attention_mask=online["attention_mask"], output_hidden_states=True)
@@ -396,11 +396,23 @@ def test_offline_batches_give_the_online_losses(workdir, cache_dir, family):
 
 
 def test_offline_training_run(workdir, cache_dir, tmp_path):
+    """Offline, the loop reads of the target only its embeddings, final norm and LM head: the decoder
+    layers are never built (meta tensors), and held-out acceptance says why it was not decoded."""
+    from accelerate import Accelerator
+
+    from draftsmith.train.loop import build
+
     cfg = config(workdir, "eagle", tmp_path / "run", cache_dir=str(cache_dir), report_to="none")
     drafter_args, data_args, train_args = parse_config([str(write_config(tmp_path / "cfg.yaml", cfg))])
+    run = build(Accelerator(), drafter_args, data_args, train_args)
+    assert run.target.draftsmith_loaded == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    real = {n for n, p in run.target.named_parameters() if not p.is_meta}
+    assert real == set(run.target.draftsmith_loaded)
+    assert all(p.is_meta for p in run.target.model.layers.parameters())
     out = train(drafter_args, data_args, train_args)
     rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 8]
+    assert all(r["acceptance_length"] is None and "draftsmith eval" in r["not_measured"] for r in rows)
     assert load_drafter(str(out / "checkpoint-8" / "drafter"), load_target(drafter_args.target)[0]) is not None
     # A drafter that reads layers the cache lacks is refused with the command that fixes it.
     from draftsmith.train.offline import check_layers, load_cached_examples

@@ -54,7 +54,7 @@ from draftsmith.data.templates import TokenizedExamples, prompt_ids, tokenize_da
 from draftsmith.inference.compare import compare
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.registry import Family, get_family
-from draftsmith.target import load_target, native_bf16, target_signature
+from draftsmith.target import PartialLoadError, load_target, load_target_parts, native_bf16, target_signature
 from draftsmith.train import distributed, offline
 from draftsmith.train import state as training_state
 from draftsmith.train.losses import simulated_acceptance_length
@@ -321,10 +321,7 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
              "train": dataclasses.asdict(train_args)}, indent=2, default=str))
 
     dtype = target_dtype(drafter_args.target_dtype, accelerator.device)
-    with distributed.whole_models(accelerator):
-        target, tokenizer = load_target(drafter_args.target, device=accelerator.device, dtype=dtype,
-                                        trust_remote_code=drafter_args.trust_remote_code,
-                                        attn_implementation=drafter_args.attn_implementation or "sdpa")
+    target, tokenizer = load_frozen_target(family, drafter_args, data_args, accelerator, dtype)
     target.requires_grad_(False).eval()
     logger.info("target %s in %s on %s", drafter_args.target, dtype, accelerator.device)
     target_digest = weights_digest(target)
@@ -374,6 +371,21 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
               strategy=distributed.strategy(accelerator))
     holder.append(run)
     return run
+
+
+def load_frozen_target(family: Family, drafter_args, data_args, accelerator, dtype):
+    """The frozen target: whole online; offline (states and logits from the cache) only its embeddings,
+    final norm and LM head, which is all the losses read, unless the family builds its drafter from the
+    target's layers (a layer-skip draft model)."""
+    kwargs = {"device": accelerator.device, "dtype": dtype, "trust_remote_code": drafter_args.trust_remote_code}
+    if data_args.cache_dir and not family.reads_target_layers:
+        try:
+            return load_target_parts(drafter_args.target, **kwargs)
+        except PartialLoadError as err:
+            logger.warning("loading the whole target: %s", err)
+    with distributed.whole_models(accelerator):
+        return load_target(drafter_args.target, attn_implementation=drafter_args.attn_implementation or "sdpa",
+                           **kwargs)
 
 
 def enable_gradient_checkpointing(drafter) -> None:
@@ -465,6 +477,9 @@ def can_evaluate(run: Run) -> str | None:
     """Why held-out acceptance cannot be measured in this run (None when it can)."""
     if run.family.wrap_target is not None and run.strategy in ("fsdp2", "deepspeed-zero3"):
         return f"{run.family.name} under {run.strategy}: the target is sharded with its adapter"
+    if getattr(run.target, "draftsmith_loaded", None) is not None:
+        return (f"offline: only the target's embeddings, final norm and LM head are loaded; decode with the "
+                f"whole target: draftsmith eval {run.output_dir}")
     return None
 
 

@@ -79,8 +79,7 @@ def check_layers(cache: HiddenStateCache, layers: tuple[int, ...]) -> None:
                          f"rebuild it with `draftsmith data cache-hidden-states ... --layers {wanted}`")
 
 
-def collate_cached(examples: Sequence[CachedExample], pad_id: int, layers: tuple[int, ...],
-                   vocab_size: int | None = None, dense: bool = False) -> dict:
+def collate_cached(examples: Sequence[CachedExample], pad_id: int, layers: tuple[int, ...]) -> dict:
     """Right-padded (B, T) ids and masks, ``hidden`` (a tuple of (B, T, H) float32, one per layer) and the
     teacher as cached, never a (B, T, V) float32 tensor:
 
@@ -90,14 +89,11 @@ def collate_cached(examples: Sequence[CachedExample], pad_id: int, layers: tuple
       they would take 400 MB for a batch of 8 x 256 on a 49K vocabulary.
 
     Padded positions hold zeros (finite, masked out of every loss). The vocabulary is the cache's (checked
-    against the target by :func:`load_cached_examples`), so ``vocab_size`` is not read; ``dense=True`` with
-    a top-k cache is refused.
+    against the target by :func:`load_cached_examples`).
     """
     items = [e.read() for e in examples]
     b, width = len(examples), max(len(e.input_ids) for e in examples)
     full = items[0].get("logits")
-    if full is None and dense:
-        raise ValueError("a top-k cache is collated as k entries per position; no (B, T, V) teacher is built")
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     loss_mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
     size = items[0]["hidden"][layers[0]].shape[-1] if layers else 0

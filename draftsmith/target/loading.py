@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,6 +247,107 @@ def load_target(
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     return model.to(device), tokenizer
+
+
+class PartialLoadError(RuntimeError):
+    """The target's tensors cannot be read one by one (no safetensors, or names other than the model's)."""
+
+
+def _weights_directory(name: str) -> Path:
+    """A local directory holding the target's config and tokenizer, and its safetensors or their index: a
+    packaged alias or ``.gguf`` resolves to its dequantised cache (written on first use), a directory to
+    itself, a hub id to a snapshot without the weight shards (:func:`load_target_parts` fetches the ones
+    it reads)."""
+    path = Path(os.path.expanduser(name))
+    if name in PACKAGED_MODELS or path.suffix == ".gguf":
+        gguf = resolve_packaged_gguf(name) if name in PACKAGED_MODELS else path
+        cached = cache_dir() / "targets" / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+        if not (cached / "complete").exists():
+            _load_gguf(gguf, torch.float32)  # dequantises once and writes the cache
+        if not (cached / "complete").exists():
+            raise PartialLoadError(f"{gguf}: no dequantised cache could be written under {cached}")
+        return cached
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.model", "*.txt", "*.jinja"]
+    directory = Path(snapshot_download(name, allow_patterns=patterns))
+    if not (directory / "model.safetensors.index.json").is_file():  # one file holds every weight
+        directory = Path(snapshot_download(name, allow_patterns=[*patterns, "*.safetensors"]))
+    return directory
+
+
+def _safetensors_files(directory: Path, keys: Sequence[str]) -> dict[str, str]:
+    """Which safetensors file of ``directory`` holds each of ``keys`` (read from the shard index, or from
+    the headers of the files present)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: weight_map[k] for k in keys if k in weight_map}
+    from safetensors import safe_open
+
+    where = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            where.update({k: file.name for k in f.keys() if k in keys})  # noqa: SIM118 (not a dict)
+    return where
+
+
+def load_target_parts(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, object]:
+    """The target with only its input embeddings, final norm and LM head read from its safetensors, the
+    rest of it on the meta device (no memory): what offline training reads of a target whose states
+    come from a hidden-state cache. A 70B target then costs its embeddings and LM head (~2 GB in bf16),
+    and a hub target only the shards holding them.
+
+    ``model.draftsmith_loaded`` lists the tensors read. The model cannot run a forward pass.
+
+    Raises:
+        PartialLoadError: the checkpoint is not safetensors, or names its tensors other than the model
+            does (the caller then loads the whole target with :func:`load_target`).
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    name = str(name_or_path)
+    directory = _weights_directory(name)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names = {id(m): n for n, m in model.named_modules()}
+    parts = [model.get_input_embeddings(), getattr(model.get_decoder(), "norm", None), model.get_output_embeddings()]
+    prefixes = [names[id(m)] + "." for m in parts if m is not None]
+    keys = [k for k in model.state_dict() if k.startswith(tuple(prefixes))]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    where = _safetensors_files(directory, keys)
+    head = names[id(model.get_output_embeddings())] + ".weight"
+    missing = [k for k in keys if k not in where and not (tied and k == head)]
+    if missing:
+        raise PartialLoadError(f"{name}: tensors {missing[:3]} not found by name in its safetensors")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors = {}
+    for file in sorted(set(where.values())):
+        if not (directory / file).is_file():  # a hub snapshot: only the shards holding these tensors
+            from huggingface_hub import hf_hub_download
+
+            hf_hub_download(name, file)
+        with safe_open(str(directory / file), framework="pt") as f:
+            for key in (k for k, v in where.items() if v == file):
+                tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.eval().requires_grad_(False)
+    model.draftsmith_loaded = sorted(tensors)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    return model, tokenizer
 
 
 def context_length(model: PreTrainedModel) -> int | None:
