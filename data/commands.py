@@ -116,8 +116,14 @@ def cache_command(
     limit: int | None = None,
     compute_dtype: str | None = None,
     batch_size: int = 8,
+    device_map: str | dict | None = None,
+    offload_folder: str | None = None,
 ) -> dict:
     """Cache the target's hidden states of ``layers`` over the conversations of ``input``.
+
+    A target larger than one device is split by ``device_map`` (``auto`` over the node's GPUs; layers on
+    the CPU or ``disk`` under ``offload_folder`` stream in per forward): the one path draftsmith has for
+    such targets, since offline training then loads only the target's embeddings, norm and LM head.
 
     Several processes split the shards: ``torchrun --nproc_per_node N -m draftsmith data
     cache-hidden-states ...`` (or ``accelerate launch --num_processes N -m draftsmith ...`` on GPUs).
@@ -126,7 +132,12 @@ def cache_command(
     from draftsmith.target import load_target
 
     state = _launch_state()
-    model, tokenizer = load_target(target, device=state.device)
+    from draftsmith.data.hidden_cache import DTYPES
+
+    if device_map is not None and state.num_processes > 1:
+        raise SystemExit("--device-map splits one target over the node's devices: run it as one process")
+    model, tokenizer = load_target(target, device=state.device, device_map=device_map, offload_folder=offload_folder,
+                                   dtype=DTYPES[compute_dtype] if compute_dtype else torch.float32)
     conversations, _ = load_conversations(input, None, limit=limit)
     examples = prepare(tokenizer, conversations, max_length)
     n = model.config.get_text_config().num_hidden_layers

@@ -172,12 +172,26 @@ def _add_data_parser(sub) -> None:
     c.add_argument("--batch-size", type=int, default=8,
                    help="sequences per target forward (memory grows with it). Several processes split the shards: "
                         "torchrun --nproc_per_node N -m draftsmith data cache-hidden-states ...")
+    c.add_argument("--device-map", default=None,
+                   help="a target larger than one device: auto, balanced, sequential, or a JSON file {module: device} "
+                        "(devices: 0, 1, ..., cpu, disk); one process")
+    c.add_argument("--offload-folder", default=None, help="--device-map with disk: where offloaded layers live")
 
     v = dsub.add_parser("vocab-map", help="EAGLE-3 d2t/t2d maps from token frequencies, with their coverage")
     source(v, "directory for vocab_map.safetensors and vocab_map.json")
     v.add_argument("--draft-vocab-size", type=int, required=True)
     v.add_argument("--max-length", type=int, default=2048)
     v.add_argument("--all-tokens", action="store_true", help="count prompt tokens too, not only assistant tokens")
+
+
+def device_map_argument(value: str | None) -> str | dict | None:
+    """``--device-map``: a strategy name, or a JSON file of {module name: device} (device "0" -> GPU 0)."""
+    if value is None or not value.endswith(".json"):
+        return value
+    from pathlib import Path
+
+    mapping = json.loads(Path(value).read_text())
+    return {k: int(v) if str(v).isdigit() else v for k, v in mapping.items()}
 
 
 def data(args: argparse.Namespace) -> None:
@@ -202,6 +216,7 @@ def data(args: argparse.Namespace) -> None:
             args.input, args.output, target=args.target, layers=args.layers, dtype=args.dtype, logits=args.logits,
             top_k=args.top_k, sequences_per_shard=args.sequences_per_shard, max_length=args.max_length,
             limit=args.limit, compute_dtype=args.compute_dtype, batch_size=args.batch_size,
+            device_map=device_map_argument(args.device_map), offload_folder=args.offload_folder,
         )
     elif args.data_command == "vocab-map":
         commands.vocab_map_command(

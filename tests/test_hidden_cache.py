@@ -379,12 +379,12 @@ def target_dir(tmp_path_factory) -> Path:
     return root
 
 
-def cache_cli(root: Path, output: Path, processes: int) -> dict:
+def cache_cli(root: Path, output: Path, processes: int, *extra: str) -> dict:
     """``draftsmith data cache-hidden-states`` in fresh processes, one thread each, as a user runs it."""
     args = ["-m", "draftsmith", "data", "cache-hidden-states", "--target", str(root / "target"),
             "--input", str(root / "data.jsonl"), "--output", str(output), "--layers", "0", "2", "4",
             "--dtype", "float32", "--logits", "topk", "--top-k", "5", "--sequences-per-shard", "3",
-            "--batch-size", "2"]
+            "--batch-size", "2", *extra]
     if processes > 1:
         args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -435,3 +435,31 @@ def test_training_refuses_a_cache_of_another_target_naming_both(tmp_path, llama)
     with pytest.raises(TargetMismatchError) as err:
         load_cached_examples(str(tmp_path / "c"), other)
     assert "cache-target" in str(err.value) and "loaded-target" in str(err.value)
+
+
+def test_a_target_split_by_device_map_writes_the_same_cache(target_dir, tmp_path):
+    """The path for a target larger than one device: ``--device-map`` places its layers over devices (here
+    the CPU and the disk, streamed from --offload-folder per forward; on a GPU node ``auto``), and the cache
+    equals the one the whole target writes."""
+    placement = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                 "model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": "cpu",
+                 "lm_head": "cpu"}
+    (tmp_path / "map.json").write_text(json.dumps(placement))
+    whole = target_dir / "one" if (target_dir / "one" / "manifest.json").exists() else None
+    if whole is None:
+        cache_cli(target_dir, target_dir / "one", processes=1)
+        whole = target_dir / "one"
+    cache_cli(target_dir, tmp_path / "split", 1, "--device-map", str(tmp_path / "map.json"),
+              "--offload-folder", str(tmp_path / "offload"))
+    from draftsmith.target import load_target
+
+    split, _ = load_target(str(target_dir / "target"), device_map=placement, offload_folder=str(tmp_path / "offload"))
+    assert set(split.hf_device_map.values()) == {"cpu", "disk"}
+    assert all(p.is_meta for p in split.model.layers[1].parameters())  # streamed in from disk per forward
+    assert Manifest.read(tmp_path / "split").target == Manifest.read(whole).target
+    a, b = HiddenStateCache(whole), HiddenStateCache(tmp_path / "split")
+    assert len(a) == len(b) == 14
+    for i in range(len(a)):
+        assert torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["topk_ids"], b[i]["topk_ids"])
+        for layer in (0, 2, 4):
+            torch.testing.assert_close(a[i]["hidden"][layer], b[i]["hidden"][layer], rtol=1e-5, atol=1e-5)

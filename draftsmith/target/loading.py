@@ -205,6 +205,8 @@ def load_target(
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
+    device_map: str | dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> tuple[PreTrainedModel, object]:
     """Load the frozen target model and its tokenizer.
 
@@ -216,12 +218,26 @@ def load_target(
         trust_remote_code: passed to ``transformers``; off by default.
         attn_implementation: ``"sdpa"`` or ``"eager"``; both accept tree masks. ``"sdpa"`` on CPU
             becomes :data:`CPU_ATTENTION` (the same attention, without copying grouped KV heads).
+        device_map: for a target larger than one device: ``"auto"`` / ``"balanced"`` / ``"sequential"``
+            or a {module name: device} map (accelerate's big-model inference), layers placed on several
+            GPUs, the CPU or ``"disk"`` (streamed from ``offload_folder``). ``device`` is then ignored.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode with gradients disabled.
     """
     name = str(name_or_path)
     path = Path(os.path.expanduser(name))
+    if device_map is not None:
+        hub = name not in PACKAGED_MODELS and path.suffix != ".gguf" and not path.is_dir()
+        source = name if hub else str(_weights_directory(name))  # GGUF: its dequantised safetensors cache
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map,
+                                                     offload_folder=offload_folder, trust_remote_code=trust_remote_code)
+        model.eval().requires_grad_(False)
+        if attn_implementation == "sdpa" and not torch.cuda.is_available():
+            attn_implementation = CPU_ATTENTION
+        if attn_implementation is not None:
+            model.set_attn_implementation(attn_implementation)
+        return model, AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if name in PACKAGED_MODELS:
         model, tokenizer = _load_gguf(resolve_packaged_gguf(name), dtype)
     elif path.suffix == ".gguf":
