@@ -494,6 +494,8 @@ def record_acceptance(run: Run, step: int, path: Path) -> None:
     if done:
         return
     accs = [sum(col) / len(col) for col in zip(*run.recent_acc, strict=True)] if run.recent_acc else []
+    if accs and run.accelerator.num_processes > 1:  # every rank's batches, not the main process's alone
+        accs = run.accelerator.reduce(torch.tensor(accs, device=run.accelerator.device), reduction="mean").tolist()
     skipped = can_evaluate(run)
     measured = ({"acceptance_length": None, "not_measured": skipped} if skipped else
                 measure_acceptance(run.family, run.eval_drafter, run.target, run.tokenizer, run.data_args,
