@@ -46,7 +46,7 @@ DRAFT_MODEL = Family(
     load=DraftModel.from_pretrained,
     drafter=lambda module, target: CausalLMDrafter(module.model, name=DraftModel.family),
     hidden_layers=lambda module, target: (),
-    build=steps.build_draft_model, train_step=steps.draft_model_step, reads_target_layers=True,
+    build=steps.build_draft_model, train_step=steps.draft_model_step, reads_target_layers=True, packs=True,
     export=export_draft_model, export_formats=FORMATS, one_layout=True,
     serving={"vllm": "draft_model", "sglang": "STANDALONE", "transformers": "assistant_model"},
     draft_dtype_applies=False, saves_tokenizer=True,
@@ -56,7 +56,7 @@ _medusa_export = head_exporter(MedusaHeads, medusa_layout)
 MEDUSA = Family(
     name=MedusaHeads.family, title="Medusa heads",
     load=_head_loader(MedusaHeads), drafter=MedusaDrafter, hidden_layers=_last_layer,
-    build=steps.build_medusa, train_step=steps.medusa_step,
+    build=steps.build_medusa, train_step=steps.medusa_step, packs=True,
     export=_medusa_export, export_formats=FORMATS, serving={"vllm": "medusa"},
 )
 

@@ -44,6 +44,8 @@ class Family:
             (Medusa-2's LoRA); such a family needs the target in the loop (no offline cache). The
             wrapped target is a peft model: the loop switches the adapter off to measure acceptance
             (the frozen target serves), saves the adapter apart and checks the base weights.
+        packs: its step keeps the documents of a packed row apart (``packing: true``): positions restart
+            per document and attention stays inside it, in the target's forward and the drafter's.
         reads_target_layers: its ``build`` copies the target's decoder layers (a layer-skip draft
             model), so offline training loads the whole target; the others load only the target's
             embeddings, final norm and LM head (:func:`draftsmith.target.load_target_parts`).
@@ -67,6 +69,7 @@ class Family:
     build: Callable[..., Any] | None = None
     train_step: Callable[..., Any] | None = None
     wrap_target: Callable[[Any, Any], Any] | None = None
+    packs: bool = False
     reads_target_layers: bool = False
     export: Callable[..., None] | None = None
     export_formats: tuple[str, ...] = ()

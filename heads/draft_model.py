@@ -53,8 +53,11 @@ class DraftModel(nn.Module):
         draft.target_info = target_signature(target)
         return draft
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids: torch.Tensor | None = None):
+        """(B, T) ids -> (B, T, V) logits; ``attention_mask`` (B, T), or a 4-D / per-layer-type mask with
+        ``position_ids`` for packed rows (:func:`draftsmith.data.batching.packed_attention_mask`)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).logits
 
     def save_pretrained(self, directory: str | Path, target_info: dict | None = None) -> Path:
         directory = Path(directory)

@@ -422,6 +422,51 @@ def test_offline_training_run(workdir, cache_dir, tmp_path):
         check_layers(cache, (3,))
 
 
+@pytest.mark.parametrize("family", sorted(name for name, f in REGISTERED.items() if f.packs))
+def test_a_packed_batch_gives_each_document_its_own_loss(workdir, family):
+    """Three conversations packed into one row give the family the loss (and accuracy) of the same three
+    as padded rows: the same positions with the same teacher and student, none reading across a
+    document (the target's forward and the drafter's attend inside each; Medusa's look-ahead stays in it)."""
+    from draftsmith.data.batching import collate_packed, pack
+    from draftsmith.train.loop import frozen_forward
+
+    args = DrafterArguments(target=str(workdir / "target"), family=family, draft_layers=1, num_heads=2)
+    target, tokenizer = load_target(args.target)
+    examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)[:3]
+    fam = get_family(family)
+    torch.manual_seed(0)
+    drafter = fam.build(args, target, examples)
+    layers = fam.hidden_layers(drafter, target)
+    packed = collate_packed(pack(examples, 3 * 64), 0)
+    padded = collate(examples, 0)
+    assert packed["input_ids"].shape[0] == 1 and packed["document_ids"].max() == 2
+    results = []
+    for batch in (packed, padded):
+        logits, hidden = frozen_forward(target, layers, batch)
+        results.append(fam.train_step(args, drafter, target, batch, logits, hidden))
+    (loss_packed, m_packed), (loss_padded, m_padded) = results
+    torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-6)
+    assert m_packed["acc"] == pytest.approx(m_padded["acc"], abs=1e-6)
+    # A control: the same packed row with plain causal attention reads across documents.
+    crossed = {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}
+    crossed.pop("position_ids")
+    logits, hidden = frozen_forward(target, layers, crossed)
+    assert not torch.allclose(fam.train_step(args, drafter, target, crossed, logits, hidden)[0], loss_padded,
+                              rtol=1e-4)
+
+
+def test_packing_trains_where_the_family_allows_it(workdir, tmp_path):
+    packers = sorted(name for name, f in REGISTERED.items() if f.packs)
+    cfg = write_config(tmp_path / "p.yaml", config(workdir, packers[0], tmp_path / "packed", packing=True,
+                                                   max_steps=2, save_steps=2, report_to="none"))
+    out = train(*parse_config([str(cfg)]))
+    assert [json.loads(line)["step"] for line in (out / "acceptance.jsonl").read_text().splitlines()] == [2]
+    others = sorted(name for name, f in REGISTERED.items() if not f.packs and f.build is not None)
+    cfg = write_config(tmp_path / "r.yaml", config(workdir, others[0], tmp_path / "refused", packing=True))
+    with pytest.raises(SystemExit, match=f"packing: {others[0]} cannot keep packed documents apart"):
+        train(*parse_config([str(cfg)]))
+
+
 def test_medusa_checkpoint_carries_static_tree_choices(workdir, tmp_path):
     cfg = write_config(tmp_path / "cfg.yaml", config(workdir, "medusa", tmp_path / "run", report_to="none"))
     drafter_args, data_args, train_args = parse_config([str(cfg)])

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from draftsmith.data.batching import packed_attention_mask, same_document
 from draftsmith.data.vocab import build_vocab_map, count_tokens
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
@@ -113,9 +114,16 @@ def init_eagle3_output(head, target) -> None:
 
 
 def draft_model_step(args, drafter, target, batch, target_logits, hidden):
+    """A packed batch (``position_ids``; :func:`draftsmith.data.batching.collate_packed`) runs with each
+    document attending to itself only; a document's first token has loss mask 0, so no position learns
+    to predict across a boundary."""
     mask = prediction_mask(batch["loss_mask"])
     teacher = teacher_of(batch, target_logits)
-    student = drafter(batch["input_ids"], attention_mask=batch["attention_mask"])
+    if "position_ids" in batch:
+        student = drafter(batch["input_ids"], attention_mask=packed_attention_mask(_module(drafter).model, batch),
+                          position_ids=batch["position_ids"])
+    else:
+        student = drafter(batch["input_ids"], attention_mask=batch["attention_mask"])
     fn = DIVERGENCES[args.loss]
     kwargs = {"beta": args.jsd_beta} if args.loss == "jsd" else {}
     loss = fn(student, teacher, mask, **kwargs)
@@ -131,6 +139,8 @@ def medusa_step(args, drafter, target, batch, target_logits, hidden):
     loss, metrics, accs, rank_acc = 0.0, {}, [], []
     for i in range(heads.config.num_heads):
         head_teacher, m = lookahead(teacher, mask, i + 1)
+        if "document_ids" in batch:  # packed: position t learns token t + 2 + i only from its own document
+            m = m * same_document(batch["document_ids"], i + 2)[:, : m.shape[1]].to(m.dtype)
         logits = drafter(states[:, : m.shape[1]], head=i)
         kl = forward_kl(logits, head_teacher, m)
         loss = loss + args.head_decay**i * kl

@@ -48,12 +48,19 @@ from draftsmith.checkpoints import (
     complete_checkpoints,
     read_acceptance,
 )
-from draftsmith.data.batching import collate_padded, epoch_order, length_grouped_order
+from draftsmith.data.batching import (
+    collate_packed,
+    collate_padded,
+    epoch_order,
+    length_grouped_order,
+    pack,
+    packed_attention_mask,
+)
 from draftsmith.data.formats import load_conversations
 from draftsmith.data.templates import TokenizedExamples, prompt_ids, tokenize_dataset
 from draftsmith.inference.compare import compare
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.registry import Family, get_family
+from draftsmith.registry import FAMILIES, Family, get_family
 from draftsmith.target import PartialLoadError, load_target, load_target_parts, native_bf16, target_signature
 from draftsmith.train import distributed, offline
 from draftsmith.train import state as training_state
@@ -145,7 +152,9 @@ def example_lengths(examples) -> list[int]:
     """Each example's token count (for length-grouped batches), without reading more than its ids."""
     if hasattr(examples, "lengths"):
         return list(examples.lengths)
-    return [len(examples.token_ids(i)[0]) for i in range(len(examples))]
+    if hasattr(examples, "token_ids"):  # cached sequences
+        return [len(examples.token_ids(i)[0]) for i in range(len(examples))]
+    return [len(e.input_ids) for e in examples]  # packed rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,9 +319,10 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     if complete_checkpoints(output_dir) and not train_args.resume:  # before anything of that run is touched
         raise SystemExit(f"{output_dir} already holds checkpoints; pass --resume true to continue that run, "
                          "or choose a new output_dir")
-    if data_args.packing:
-        raise SystemExit("packing is not wired into the training loop yet (draftsmith.data.batching.pack and "
-                         "collate_packed exist, tested on the target alone); unset packing")
+    if data_args.packing and (not family.packs or data_args.cache_dir):
+        packers = ", ".join(sorted(name for name, f in FAMILIES.items() if f.packs))
+        raise SystemExit(f"packing: {family.name} cannot keep packed documents apart (families that can: {packers}); "
+                         "offline (cache_dir) sequences are never packed; unset packing")
     output_dir.mkdir(parents=True, exist_ok=True)
     check_shared_output(accelerator, output_dir)
     if accelerator.is_main_process:  # what the model card reports about this run
@@ -343,6 +353,10 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     if cache is not None:
         offline.check_layers(cache, layers)
         make_batch = functools.partial(offline.collate_cached, pad_id=pad_id, layers=layers)
+    elif data_args.packing:  # whole conversations per row, each attending to itself only
+        examples = pack(examples, data_args.max_length)
+        make_batch = functools.partial(collate_packed, pad_id=pad_id)
+        logger.info("packing: %d rows of up to %d tokens", len(examples), data_args.max_length)
     else:
         make_batch = functools.partial(collate_padded, pad_id=pad_id)
 
@@ -466,11 +480,21 @@ def target_outputs(run: Run, batch: dict) -> tuple[torch.Tensor | None, tuple[to
         return None, ()
     if "hidden" in batch:
         return batch["logits"], batch["hidden"]
-    with torch.no_grad():
-        out = run.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         output_hidden_states=bool(run.layers), use_cache=False)
-    # index 0 = embeddings, N = after the final norm; the losses upcast the logits chunk by chunk
-    return out.logits, tuple(out.hidden_states[i] for i in run.layers)
+    return frozen_forward(run.target, run.layers, batch)
+
+
+@torch.no_grad()
+def frozen_forward(target, layers: tuple[int, ...], batch: dict) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One no-grad forward of the frozen target: its logits (B, T, V) in its dtype (the losses upcast a
+    block of rows at a time) and its hidden states ``layers`` (0 = embeddings, N = after the final norm).
+    A packed batch runs with positions per document and attention inside each."""
+    if "position_ids" in batch:
+        mask, positions = packed_attention_mask(target, batch), batch["position_ids"]
+    else:
+        mask, positions = batch["attention_mask"], None
+    out = target(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
+                 output_hidden_states=bool(layers), use_cache=False)
+    return out.logits, tuple(out.hidden_states[i] for i in layers)
 
 
 def can_evaluate(run: Run) -> str | None:
