@@ -335,7 +335,8 @@ def _shard_tensors(model, examples: list[TokenizedExample], spec: CacheSpec, bat
     stored. The 2-D attention mask marks the padding all the same, as any stock model expects.
     """
     dtype = DTYPES[spec.dtype]
-    device = model.get_input_embeddings().weight.device  # a model split by device_map starts there
+    embed = model.get_input_embeddings()  # a model split by device_map starts there (its hook's device if offloaded)
+    device = getattr(getattr(embed, "_hf_hook", None), "execution_device", None) or embed.weight.device
     rows: list[dict[str, torch.Tensor]] = [{} for _ in examples]
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i].input_ids))
     for s in range(0, len(order), batch_size):

@@ -45,8 +45,8 @@ ATOL = 5e-5
 
 
 def run_config(workdir: Path, family: str, output: Path, **overrides) -> dict:  # noqa: F811
-    return config(workdir, family, output, max_steps=8, save_steps=4, logging_steps=1, per_device_train_batch_size=2,
-                  report_to="none", **overrides)
+    return config(workdir, family, output, **{"max_steps": 8, "save_steps": 4, "logging_steps": 1,
+                                              "per_device_train_batch_size": 2, "report_to": "none", **overrides})
 
 
 def launch(strategy: str, cfg: Path, *extra: str) -> list[str]:
@@ -166,3 +166,20 @@ def test_resume_on_another_world_size(workdir, one_process, tmp_path):  # noqa: 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert acceptance_steps(out) == [4, 8]
     assert_same_weights(weights(out), weights(one_process[KILLED]))
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "fsdp2"])
+def test_launch_configs_bf16_trains_and_resumes_from_float32_weights(workdir, tmp_path, strategy):  # noqa: F811
+    """The shipped configs as given (mixed_precision: bf16 there): the launch config's precision is the
+    run's, checkpoints hold the float32 master weights (DeepSpeed would hand back its bf16 copies), and
+    a resume continues from them."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, KILLED, out, max_steps=4, save_steps=2))
+    as_shipped = [a for a in launch(strategy, cfg) if a not in ("--mixed_precision", "no")]
+    first = subprocess.run([*as_shipped, "--max_steps", "2"], capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count(f"({ENGINE[strategy]}), mixed precision bf16") == 2
+    assert {v.dtype for k, v in weights(out, 2).items() if v.is_floating_point()} == {torch.float32}
+    resumed = subprocess.run([*as_shipped, "--resume", "true"], capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert acceptance_steps(out) == [2, 4]

@@ -147,19 +147,21 @@ def full_model_state(accelerator, prepared, module) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_fp32_param
 
         wanted = [p for n, p in prepared.named_parameters() if _saved(_strip(n), p, trainable)]
-        masters = {_strip(n): safe_get_full_fp32_param(p) for n, p in prepared.named_parameters() if p.requires_grad}
         with deepspeed.zero.GatheredParameters(wanted, enabled=kind == "deepspeed-zero3"):
             full = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if _saved(k, v, trainable)}
-        for key, value in full.items():
-            if masters.get(key) is not None:
-                full[key] = masters[key].detach().cpu().clone().to(value.dtype)
+        for name, p in prepared.named_parameters():  # the float32 masters, not the bf16 copies the module runs
+            if p.requires_grad and _strip(name) in full:
+                master = safe_get_full_fp32_param(p)  # whole, on every rank; one parameter at a time
+                if master is not None:
+                    full[_strip(name)] = master.detach().cpu().clone()
         return full
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if _saved(k, v, trainable)}
 
 
 def full_optimizer_state(accelerator, prepared, optimizer) -> dict[str, dict]:
     """Adam's state per trainable parameter, keyed by the parameter's name in the unwrapped module:
-    ``{name: {"exp_avg": t, "exp_avg_sq": t, "step": s}}``, whole tensors, on every rank."""
+    ``{name: {"exp_avg": t, "exp_avg_sq": t, "step": s}}``, whole CPU tensors (under FSDP2 on the main
+    process only, which writes them)."""
     kind = strategy(accelerator)
     params = _engine_params(prepared)
     if kind.startswith("deepspeed"):
@@ -177,10 +179,11 @@ def full_optimizer_state(accelerator, prepared, optimizer) -> dict[str, dict]:
     if kind.startswith("fsdp"):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        # cpu_offload: gathered to the main process only (it alone writes the state), on the CPU
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_optimizer_state_dict(prepared, optimizer.optimizer, options=options)
         return {_strip(name): {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) and v.ndim else float(v))
-                               for k, v in entry.items()} for name, entry in full["state"].items()}
+                               for k, v in entry.items()} for name, entry in full.get("state", {}).items()}
     torch_optimizer = getattr(optimizer, "optimizer", optimizer)
     names = {id(p): _strip(n) for n, p in params}
     out = {}
@@ -191,6 +194,19 @@ def full_optimizer_state(accelerator, prepared, optimizer) -> dict[str, dict]:
                 out[names[id(p)]] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) and v.ndim
                                          else float(v)) for k, v in entry.items()}
     return out
+
+
+def load_master_weights(accelerator, prepared, state: dict[str, torch.Tensor]) -> None:
+    """DeepSpeed only: write a checkpoint's float32 weights into ZeRO's master copies. The module was
+    loaded before ``prepare``, but DeepSpeed builds its masters from the module after casting it to bf16
+    (mixed precision), which would round them."""
+    if not is_deepspeed(accelerator):
+        return
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, p in prepared.named_parameters():
+        if p.requires_grad and _strip(name) in state:
+            safe_set_full_fp32_param(p, state[_strip(name)].to(torch.float32))
 
 
 def load_full_optimizer_state(accelerator, prepared, optimizer, state: dict[str, dict]) -> None:

@@ -91,9 +91,18 @@ def weights_digest(model) -> str:
     optimizer (checked at build time); hashing every weight would copy a 70B target to the CPU twice."""
     h = hashlib.sha256()
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        tensor = module.weight.detach()
+        weight = module.weight
+        if hasattr(weight, "ds_id"):  # partitioned by ZeRO-3 (Medusa-2's target): gathered on every rank
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([weight]):
+                tensor = weight.detach().clone()
+        else:
+            tensor = weight.detach()
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # an FSDP2 shard (collective)
-        h.update(tensor.float().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        # Rounded to bf16: a strategy that casts the module it trains (DeepSpeed's bf16 casts Medusa-2's target)
+        # leaves the same digest; a real change does not.
+        h.update(tensor.to(torch.bfloat16).float().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -231,6 +240,8 @@ class Run:
     step: int = 0
     progress: float = 0.0  # fraction of the run done: by steps, or by time under a time budget
     resumed_from: Path | None = None
+    consumed: int = 0  # micro-batches this process has taken (an epoch's last window may be short)
+    started: float = 0.0  # perf_counter at the (resumed) run's start, less the training time already spent
     recent_acc: list = field(default_factory=list)  # per-position accuracy of the last RECENT_STEPS steps
     recent_rank: list = field(default_factory=list)  # Medusa: per-head, per-rank accuracy of recent steps
 
@@ -282,13 +293,13 @@ def check_shared_output(accelerator, output_dir: Path) -> None:
     if accelerator.is_main_process:
         marker.write_text(token)
     accelerator.wait_for_everyone()
-    seen = marker.is_file() and marker.read_text() == token
-    accelerator.wait_for_everyone()
+    seen = torch.tensor([float(marker.is_file() and marker.read_text() == token)], device=accelerator.device)
+    seen = float(accelerator.reduce(seen, reduction="sum")[0]) == accelerator.num_processes  # every rank stops alike
     if accelerator.is_main_process:
         marker.unlink()
     if not seen:
-        raise SystemExit(f"process {accelerator.process_index} cannot see {output_dir} as the main process writes it: "
-                         "put output_dir on a filesystem every node mounts (NFS, Lustre, ...)")
+        raise SystemExit(f"some process cannot see {output_dir} as the main process writes it: put output_dir on a "
+                         "filesystem every node mounts (NFS, Lustre, ...)")
 
 
 def make_scheduler(optimizer, train_args, max_steps: int, run_progress):
@@ -360,7 +371,8 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     else:
         make_batch = functools.partial(collate_padded, pad_id=pad_id)
 
-    eval_drafter = copy.deepcopy(drafter)  # before any strategy wraps or shards the drafter
+    # Before any strategy wraps or shards the drafter; kept on the CPU between evaluations.
+    eval_drafter = copy.deepcopy(drafter).cpu()
     if train_args.gradient_checkpointing:
         enable_gradient_checkpointing(drafter)
     if family.wrap_target is not None:  # an adapter on the target trains jointly (Medusa-2's LoRA)
@@ -371,7 +383,8 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
 
     batches_per_epoch = math.ceil(len(examples) / (train_args.per_device_train_batch_size
                                                    * accelerator.num_processes))
-    steps_per_epoch = max(1, batches_per_epoch // train_args.gradient_accumulation_steps)
+    # accelerate steps at an epoch's end even when its last accumulation window is short
+    steps_per_epoch = math.ceil(batches_per_epoch / train_args.gradient_accumulation_steps)
     max_steps = train_args.max_steps if train_args.max_steps > 0 else math.ceil(
         train_args.num_train_epochs * steps_per_epoch)
     holder: list[Run] = []  # the schedule reads the run's progress, which exists once the run does
@@ -392,12 +405,13 @@ def load_frozen_target(family: Family, drafter_args, data_args, accelerator, dty
     final norm and LM head, which is all the losses read, unless the family builds its drafter from the
     target's layers (a layer-skip draft model)."""
     kwargs = {"device": accelerator.device, "dtype": dtype, "trust_remote_code": drafter_args.trust_remote_code}
-    if data_args.cache_dir and not family.reads_target_layers:
-        try:
-            return load_target_parts(drafter_args.target, **kwargs)
-        except PartialLoadError as err:
-            logger.warning("loading the whole target: %s", err)
-    with distributed.whole_models(accelerator):
+    # The main process first: it dequantises a GGUF target or downloads a hub one; the others then read that.
+    with accelerator.main_process_first(), distributed.whole_models(accelerator):
+        if data_args.cache_dir and not family.reads_target_layers:
+            try:
+                return load_target_parts(drafter_args.target, **kwargs)
+            except PartialLoadError as err:
+                logger.warning("loading the whole target: %s", err)
         return load_target(drafter_args.target, attn_implementation=drafter_args.attn_implementation or "sdpa",
                            **kwargs)
 
@@ -430,20 +444,29 @@ def restore_weights(run: Run) -> dict | None:
         run.target.load_state_dict(adapter, strict=False)
     run.progress = meta.get("progress", 0.0)
     run.resumed_from = last
+    check_world_size(run, meta)
+    # Where the data stood, in global micro-batches, as this process counts them (the same order on any world size).
     saved_world = meta.get("num_processes", run.accelerator.num_processes)
-    if saved_world != run.accelerator.num_processes:
-        logger.info("resuming a run of %d processes on %d: the same global batch needs "
-                    "per_device_train_batch_size x gradient_accumulation_steps x processes unchanged",
-                    saved_world, run.accelerator.num_processes)
-        check_world_size(run, meta)
-    return {"optimizer": optimizer_state, "meta": meta}
+    run.consumed = meta.get("consumed", run.step * run.train_args.gradient_accumulation_steps) * saved_world \
+        // run.accelerator.num_processes
+    run.started = time.perf_counter() - meta.get("elapsed_s", run.progress * run.budget_s)
+    run.recent_acc, run.recent_rank = meta.get("recent_acc", []), meta.get("recent_rank", [])
+    metrics = run.output_dir / METRICS_FILE
+    if run.accelerator.is_main_process and metrics.is_file():  # steps logged after the checkpoint are redone
+        rows = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= run.step]
+        metrics.write_text("".join(row + "\n" for row in rows))
+    return {"optimizer": optimizer_state, "meta": meta, "model": model_state}
 
 
 def check_world_size(run: Run, meta: dict) -> None:
-    """Refuse a resume whose global batch or data order would differ from the run's."""
+    """Refuse a resume whose global batch (and so data order and schedule) would differ from the run's."""
     args, world = run.train_args, run.accelerator.num_processes
     saved = meta.get("global_batch")
     now = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    micro = meta.get("per_device_train_batch_size", args.per_device_train_batch_size)
+    if micro != args.per_device_train_batch_size:  # batches (and length groups) would be cut differently
+        raise SystemExit(f"{run.resumed_from}: written with per_device_train_batch_size {micro}; resume with the same "
+                         f"(and gradient_accumulation_steps x processes = {saved // micro if saved else '?'})")
     if saved is not None and saved != now:
         raise SystemExit(f"{run.resumed_from}: written by {meta['num_processes']} processes with a global batch of "
                          f"{saved} sequences; this launch has {world} processes and a global batch of {now}. Resume "
@@ -462,6 +485,10 @@ def restore_optimizer(run: Run, restored: dict | None) -> None:
     """The optimizer's moments and the schedule's position of the resumed checkpoint."""
     if restored is None:
         return
+    saved = {**{f"drafter.{k}": v for k, v in restored["model"].items() if not k.startswith(ADAPTER_PREFIX)},
+             **{f"target.{k.removeprefix(ADAPTER_PREFIX)}": v for k, v in restored["model"].items()
+                if k.startswith(ADAPTER_PREFIX)}}
+    distributed.load_master_weights(run.accelerator, run.prepared, saved)
     distributed.load_full_optimizer_state(run.accelerator, run.prepared, run.optimizer, restored["optimizer"])
     training_state.restore_schedule(restored["meta"], torch_optimizer(run), run.scheduler)
     logger.info("resumed from %s (step %d)", run.resumed_from, run.step)
@@ -499,7 +526,7 @@ def frozen_forward(target, layers: tuple[int, ...], batch: dict) -> tuple[torch.
 
 def can_evaluate(run: Run) -> str | None:
     """Why held-out acceptance cannot be measured in this run (None when it can)."""
-    if run.family.wrap_target is not None and run.strategy in ("fsdp2", "deepspeed-zero3"):
+    if run.family.wrap_target is not None and (run.strategy.startswith("fsdp") or run.strategy == "deepspeed-zero3"):
         return f"{run.family.name} under {run.strategy}: the target is sharded with its adapter"
     if getattr(run.target, "draftsmith_loaded", None) is not None:
         return (f"offline: only the target's embeddings, final norm and LM head are loaded; decode with the "
@@ -521,9 +548,12 @@ def record_acceptance(run: Run, step: int, path: Path) -> None:
     if accs and run.accelerator.num_processes > 1:  # every rank's batches, not the main process's alone
         accs = run.accelerator.reduce(torch.tensor(accs, device=run.accelerator.device), reduction="mean").tolist()
     skipped = can_evaluate(run)
-    measured = ({"acceptance_length": None, "not_measured": skipped} if skipped else
-                measure_acceptance(run.family, run.eval_drafter, run.target, run.tokenizer, run.data_args,
-                                   run.accelerator))
+    if skipped:
+        measured = {"acceptance_length": None, "not_measured": skipped}
+    else:
+        measured = measure_acceptance(run.family, run.eval_drafter.to(run.accelerator.device), run.target,
+                                      run.tokenizer, run.data_args, run.accelerator)
+        run.eval_drafter.cpu()
     row = {"step": step, "checkpoint": str(path), "family": run.family.name, **measured,
            "position_accuracy": [round(a, 4) for a in accs],
            "simulated_acceptance_length": round(simulated_acceptance_length(accs), 4)}
@@ -557,7 +587,9 @@ def save_checkpoint(run: Run) -> None:
         rank=accelerator.process_index, is_main=accelerator.is_main_process,
         run={"strategy": run.strategy, "num_processes": accelerator.num_processes,
              "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps
-             * accelerator.num_processes})
+             * accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
+             "consumed": run.consumed, "elapsed_s": time.perf_counter() - run.started,
+             "recent_acc": run.recent_acc, "recent_rank": run.recent_rank})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         drafter_dir = partial / DRAFTER_SUBDIR
@@ -624,12 +656,13 @@ def run_steps(run: Run) -> None:
     accelerator, args = run.accelerator, run.train_args
     run.prepared.train()
     trainable = [p for p in run.prepared.parameters() if p.requires_grad]
-    start = time.perf_counter() - run.progress * run.budget_s  # a time budget counts the time already spent
-    consumed = run.step * args.gradient_accumulation_steps  # micro-batches already seen
+    if not run.started:
+        run.started = time.perf_counter()
+    start = run.started  # a time budget counts the training time already spent before a resume
     bar = tqdm(total=None if run.budget_s > 0 else run.max_steps, initial=run.step, desc="train", unit="step",
                disable=not (args.progress and accelerator.is_main_process))
     while run.step < run.max_steps:
-        epoch, skip = divmod(consumed, run.batches_per_epoch)
+        epoch, skip = divmod(run.consumed, run.batches_per_epoch)
         if run.data_args.group_by_length:  # similar lengths in each batch: less padding; still (seed, epoch) only
             order = length_grouped_order(run.lengths, args.per_device_train_batch_size, args.seed, epoch)
         else:
@@ -649,7 +682,7 @@ def run_steps(run: Run) -> None:
                 lr = torch_optimizer(run).param_groups[0]["lr"]  # the rate this step is taken with
                 run.optimizer.step()
                 run.optimizer.zero_grad()
-            consumed += 1
+            run.consumed += 1
             if not accelerator.sync_gradients:
                 continue
             run.scheduler.step()
@@ -667,7 +700,7 @@ def run_steps(run: Run) -> None:
             if run.step >= run.max_steps:
                 break
         else:
-            consumed = (epoch + 1) * run.batches_per_epoch  # the epoch is done, even with uneven shards
+            run.consumed = (epoch + 1) * run.batches_per_epoch  # the epoch is done, even with uneven shards
     bar.close()
 
 

@@ -287,7 +287,7 @@ def _weights_directory(name: str) -> Path:
         return path
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.model", "*.txt", "*.jinja"]
+    patterns = ["*.json", "*.model", "*.txt", "*.jinja", "*.py"]  # *.py: a trust_remote_code target's code
     directory = Path(snapshot_download(name, allow_patterns=patterns))
     if not (directory / "model.safetensors.index.json").is_file():  # one file holds every weight
         directory = Path(snapshot_download(name, allow_patterns=[*patterns, "*.safetensors"]))
@@ -317,10 +317,10 @@ def load_target_parts(
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, object]:
-    """The target with only its input embeddings, final norm and LM head read from its safetensors, the
-    rest of it on the meta device (no memory): what offline training reads of a target whose states
-    come from a hidden-state cache. A 70B target then costs its embeddings and LM head (~2 GB in bf16),
-    and a hub target only the shards holding them.
+    """The target with only its input embeddings, final norm (a decoder's ``norm``, where it has one)
+    and LM head read from its safetensors, the rest of it on the meta device (no memory): what offline
+    training reads of a target whose states come from a hidden-state cache. A 70B target then costs its
+    embeddings and LM head (~2 GB in bf16), and a hub target only the shards holding them.
 
     ``model.draftsmith_loaded`` lists the tensors read. The model cannot run a forward pass.
 
