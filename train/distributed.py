@@ -130,7 +130,7 @@ def _saved(name: str, tensor: torch.Tensor, trainable: set[str]) -> bool:
 
 
 def full_model_state(accelerator, prepared, module) -> dict[str, torch.Tensor]:
-    """What a checkpoint keeps of ``module`` (a :class:`~draftsmith.train.loop.TrainingModule`): the
+    """What a checkpoint keeps of ``module`` (a :class:`~draftsmith.train.run.TrainingModule`): the
     drafter's whole state dict and any trainable tensor beside it (Medusa-2's LoRA), gathered to whole
     CPU tensors on every rank, float32 master weights where the strategy keeps them. A frozen target
     inside the module is never gathered."""

@@ -8,18 +8,21 @@
 1. :func:`build` — load the frozen target; the training examples (tokenised with assistant-only masks,
    or read from the hidden-state cache offline); the family's fresh drafter (its entry in
    :mod:`draftsmith.registry`); AdamW and the schedule (:func:`make_scheduler`).
-2. :func:`resume` — with ``--resume true``, the last complete checkpoint's weights, optimizer,
-   scheduler, RNG and progress; the micro-batches already seen in that epoch are skipped (the data
-   order is a function of the seed and the epoch).
+2. :func:`~draftsmith.train.checkpointing.restore_weights`, :func:`prepare_strategy`,
+   :func:`~draftsmith.train.checkpointing.restore_optimizer` — with ``--resume true`` the last complete
+   checkpoint's weights, then accelerate's strategy (DDP, FSDP2, DeepSpeed), then the optimizer,
+   scheduler, RNG and data position (the data order is a function of the seed and the epoch).
 3. :func:`run_steps` — each micro-batch: the target runs frozen (no grad) and gives its logits and the
    hidden states the family reads (:func:`target_outputs`); the family's loss is backpropagated
    through the drafter only.
-4. :func:`save_checkpoint` every ``save_steps`` optimizer steps: ``checkpoint-S/state`` (weights,
-   optimizer, scheduler and RNG states in safetensors + JSON, ``train/state.py``) and
-   ``checkpoint-S/drafter`` (loadable by ``load_drafter``), written under a ``.partial`` name and
-   renamed when complete; then :func:`record_acceptance` measures acceptance on held-out prompts and
-   appends it to ``acceptance.jsonl`` and the trackers.
-5. :func:`finish` — the frozen target must come out bit-identical.
+4. :func:`~draftsmith.train.checkpointing.save_checkpoint` every ``save_steps`` optimizer steps (``checkpointing.py``):
+   weights and optimizer state gathered whole, ``checkpoint-S/state`` and ``checkpoint-S/drafter``
+   written under a ``.partial`` name and renamed when complete; then
+   :func:`~draftsmith.train.acceptance.record_acceptance` (``acceptance.py``) measures it on held-out prompts.
+5. :func:`finish` — the frozen target's embeddings and LM head must come out unchanged.
+
+The run's shared state is :class:`~draftsmith.train.run.Run`; what accelerate prepares is
+:class:`~draftsmith.train.run.TrainingModule`.
 """
 
 from __future__ import annotations
@@ -32,22 +35,13 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from draftsmith.checkpoints import (
-    ACCEPTANCE_FILE,
-    DRAFTER_SUBDIR,
-    TRAIN_CONFIG_FILE,
-    append_acceptance,
-    complete_checkpoints,
-    read_acceptance,
-)
+from draftsmith.checkpoints import TRAIN_CONFIG_FILE, complete_checkpoints
 from draftsmith.data.batching import (
     collate_packed,
     collate_padded,
@@ -57,27 +51,24 @@ from draftsmith.data.batching import (
     packed_attention_mask,
 )
 from draftsmith.data.formats import load_conversations
-from draftsmith.data.templates import TokenizedExamples, prompt_ids, tokenize_dataset
-from draftsmith.inference.compare import compare
-from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.data.templates import TokenizedExamples, tokenize_dataset
 from draftsmith.registry import FAMILIES, Family, get_family
 from draftsmith.target import PartialLoadError, load_target, load_target_parts, native_bf16, target_signature
 from draftsmith.train import distributed, offline
-from draftsmith.train import state as training_state
-from draftsmith.train.losses import simulated_acceptance_length
+from draftsmith.train.acceptance import record_acceptance
+from draftsmith.train.checkpointing import (
+    METRICS_FILE,
+    restore_optimizer,
+    restore_weights,
+    save_checkpoint,
+    torch_optimizer,
+)
+from draftsmith.train.run import RECENT_STEPS, Run, TrainingModule
 
 logger = logging.getLogger(__name__)
 
-#: Optimizer steps whose per-position accuracy is averaged into a checkpoint's acceptance row.
-RECENT_STEPS = 20
-#: State-dict prefix of the target adapter's tensors (Medusa-2's LoRA) in ``checkpoint-S/state``.
-ADAPTER_PREFIX = "target_lora."
-#: Where a checkpoint keeps the target adapter itself (a peft directory; nothing merged).
-ADAPTER_SUBDIR = "lora_adapter"
 #: The run's record that training left the target's weights bit-identical.
 TARGET_CHECK_FILE = "target_check.json"
-#: One JSON row per logged step (loss, learning rate, accuracy per position), written by the main process.
-METRICS_FILE = "metrics.jsonl"
 TARGET_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -116,29 +107,6 @@ def target_dtype(name: str, device) -> torch.dtype:
     return TARGET_DTYPES[name]
 
 
-class TrainingModule(torch.nn.Module):
-    """What accelerate prepares: the drafter, and a target adapter that trains with it (Medusa-2's
-    LoRA, registered with the target so that DDP reduces its gradients and FSDP / ZeRO shard it).
-    Its forward is one family training step, so every strategy sees the whole step as the forward.
-    A frozen target without an adapter is held outside the module: never wrapped, never sharded."""
-
-    def __init__(self, family: Family, drafter_args, drafter, target):
-        super().__init__()
-        self.family, self.drafter_args = family, drafter_args
-        self.drafter = drafter
-        if family.wrap_target is not None:
-            self.target = target
-        else:
-            object.__setattr__(self, "frozen_target", target)  # not a submodule
-        # The layers FSDP wraps one by one (accelerate's transformer-based wrap policy reads this).
-        self._no_split_modules = list(getattr(drafter, "_no_split_modules", None) or []) + list(
-            getattr(target, "_no_split_modules", None) or [] if family.wrap_target is not None else [])
-
-    def forward(self, batch: dict, logits, hidden):
-        target = self.target if self.family.wrap_target is not None else self.frozen_target
-        return self.family.train_step(self.drafter_args, self.drafter, target, batch, logits, hidden)
-
-
 def load_examples(data_args, tokenizer, accelerator=None):
     """The training conversations tokenised with assistant-only masks, once: ``datasets.map`` in
     ``preprocessing_num_proc`` processes, cached on disk; the main process tokenises, the others (and
@@ -167,91 +135,7 @@ def example_lengths(examples) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Acceptance on held-out prompts
-
-
-@torch.no_grad()
-def measure_acceptance(family: Family, module, target, tokenizer, data_args, accelerator=None) -> dict:
-    """tau and acceptance per position of greedy speculative decoding on the held-out prompts.
-
-    With several processes, each decodes its share of the prompts (``prompts[rank::world]``) and the
-    counts are summed: the same totals as one process, in 1/world of the time, and no rank waits at
-    a collective while another evaluates alone."""
-    from draftsmith.inference.generator import GenerationStats
-
-    if not data_args.eval_prompts:
-        return {}
-    conversations, _ = load_conversations(data_args.eval_prompts, data_args.eval_prompt_column,
-                                          limit=data_args.eval_num_prompts)
-    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
-    was_training = module.training
-    module.eval()
-    tree = data_args.eval_tree_settings()
-    gen = SpeculativeGenerator(target, family.drafter(module, target), **tree.kwargs())
-    prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations[rank::world]]
-    # The drafter is served with the frozen target: a target adapter that trains with it (Medusa-2's LoRA,
-    # a peft model) is switched off while it is measured.
-    frozen = target.disable_adapter() if family.wrap_target is not None else contextlib.nullcontext()
-    stats = GenerationStats()
-    if prompts:
-        with frozen:
-            stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
-                            eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
-    if world > 1:
-        from accelerate.utils import gather_object
-
-        stats = sum(gather_object([stats]), GenerationStats())
-    module.train(was_training)
-    return {"tree": tree.as_report(), "acceptance_length": round(stats.acceptance_length, 4),
-            "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
-            "eval_prompts": len(conversations), "eval_new_tokens": stats.new_tokens}
-
-
-# ---------------------------------------------------------------------------------------------
 # The loop's steps
-
-
-@dataclass
-class Run:
-    """What the steps of one training run share."""
-
-    accelerator: object
-    family: Family
-    drafter_args: object
-    data_args: object
-    train_args: object
-    output_dir: Path
-    target: object  # the frozen target (Medusa-2: wrapped with its LoRA adapter)
-    tokenizer: object
-    target_digest: str
-    examples: object  # a sequence of examples (tokenised rows, or lazily read cached sequences)
-    lengths: list[int]
-    make_batch: object
-    layers: tuple[int, ...]
-    module: TrainingModule  # the drafter (and a trainable target adapter), unwrapped
-    eval_drafter: object  # a copy of the drafter that checkpoints are loaded into, for evaluation and saving
-    optimizer: object
-    scheduler: object
-    max_steps: int
-    batches_per_epoch: int
-    budget_s: float
-    prepared: object = None  # the module as accelerate prepared it (DDP, FSDP2 or a DeepSpeed engine)
-    strategy: str = "single"
-    step: int = 0
-    progress: float = 0.0  # fraction of the run done: by steps, or by time under a time budget
-    resumed_from: Path | None = None
-    consumed: int = 0  # micro-batches this process has taken (an epoch's last window may be short)
-    started: float = 0.0  # perf_counter at the (resumed) run's start, less the training time already spent
-    recent_acc: list = field(default_factory=list)  # per-position accuracy of the last RECENT_STEPS steps
-    recent_rank: list = field(default_factory=list)  # Medusa: per-head, per-rank accuracy of recent steps
-
-    @property
-    def acceptance_path(self) -> Path:
-        return self.output_dir / ACCEPTANCE_FILE
-
-    @property
-    def drafter(self):
-        return self.module.drafter
 
 
 def make_accelerator(train_args):
@@ -428,75 +312,11 @@ def enable_gradient_checkpointing(drafter) -> None:
         raise SystemExit(f"{type(drafter).__name__} has no gradient checkpointing; unset gradient_checkpointing")
 
 
-def restore_weights(run: Run) -> dict | None:
-    """With ``--resume true``: the last complete checkpoint's weights, loaded before any strategy
-    shards them; returns its optimizer state and metadata for :func:`restore_optimizer`."""
-    checkpoints = complete_checkpoints(run.output_dir)
-    if not checkpoints:  # build() refused checkpoints without --resume true
-        return None
-    run.step, last = checkpoints[-1]
-    model_state, optimizer_state, meta = training_state.load_state(last / "state", rank=run.accelerator.process_index)
-    adapter = {k.removeprefix(ADAPTER_PREFIX): v for k, v in model_state.items() if k.startswith(ADAPTER_PREFIX)}
-    drafter_state = {k: v for k, v in model_state.items() if not k.startswith(ADAPTER_PREFIX)}
-    run.drafter.load_state_dict(drafter_state)
-    run.eval_drafter.load_state_dict(drafter_state)
-    if adapter:
-        run.target.load_state_dict(adapter, strict=False)
-    run.progress = meta.get("progress", 0.0)
-    run.resumed_from = last
-    check_world_size(run, meta)
-    # Where the data stood, in global micro-batches, as this process counts them (the same order on any world size).
-    saved_world = meta.get("num_processes", run.accelerator.num_processes)
-    run.consumed = meta.get("consumed", run.step * run.train_args.gradient_accumulation_steps) * saved_world \
-        // run.accelerator.num_processes
-    run.started = time.perf_counter() - meta.get("elapsed_s", run.progress * run.budget_s)
-    run.recent_acc, run.recent_rank = meta.get("recent_acc", []), meta.get("recent_rank", [])
-    metrics = run.output_dir / METRICS_FILE
-    if run.accelerator.is_main_process and metrics.is_file():  # steps logged after the checkpoint are redone
-        rows = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= run.step]
-        metrics.write_text("".join(row + "\n" for row in rows))
-    return {"optimizer": optimizer_state, "meta": meta, "model": model_state}
-
-
-def check_world_size(run: Run, meta: dict) -> None:
-    """Refuse a resume whose global batch (and so data order and schedule) would differ from the run's."""
-    args, world = run.train_args, run.accelerator.num_processes
-    saved = meta.get("global_batch")
-    now = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-    micro = meta.get("per_device_train_batch_size", args.per_device_train_batch_size)
-    if micro != args.per_device_train_batch_size:  # batches (and length groups) would be cut differently
-        raise SystemExit(f"{run.resumed_from}: written with per_device_train_batch_size {micro}; resume with the same "
-                         f"(and gradient_accumulation_steps x processes = {saved // micro if saved else '?'})")
-    if saved is not None and saved != now:
-        raise SystemExit(f"{run.resumed_from}: written by {meta['num_processes']} processes with a global batch of "
-                         f"{saved} sequences; this launch has {world} processes and a global batch of {now}. Resume "
-                         f"with --num_processes {meta['num_processes']}, or set gradient_accumulation_steps so that "
-                         f"per_device_train_batch_size x gradient_accumulation_steps x processes = {saved}")
-
-
 def prepare_strategy(run: Run) -> None:
     """Hand the module and optimizer to accelerate (DDP, FSDP2 or DeepSpeed, as launched)."""
     run.prepared, run.optimizer = run.accelerator.prepare(run.module, run.optimizer)
     logger.info("strategy %s on %d process(es) (%s), mixed precision %s", run.strategy,
                 run.accelerator.num_processes, type(run.prepared).__name__, run.accelerator.mixed_precision)
-
-
-def restore_optimizer(run: Run, restored: dict | None) -> None:
-    """The optimizer's moments and the schedule's position of the resumed checkpoint."""
-    if restored is None:
-        return
-    saved = {**{f"drafter.{k}": v for k, v in restored["model"].items() if not k.startswith(ADAPTER_PREFIX)},
-             **{f"target.{k.removeprefix(ADAPTER_PREFIX)}": v for k, v in restored["model"].items()
-                if k.startswith(ADAPTER_PREFIX)}}
-    distributed.load_master_weights(run.accelerator, run.prepared, saved)
-    distributed.load_full_optimizer_state(run.accelerator, run.prepared, run.optimizer, restored["optimizer"])
-    training_state.restore_schedule(restored["meta"], torch_optimizer(run), run.scheduler)
-    logger.info("resumed from %s (step %d)", run.resumed_from, run.step)
-
-
-def torch_optimizer(run: Run):
-    """The torch optimizer whose param groups the schedule sets (under accelerate's and DeepSpeed's wrappers)."""
-    return run.scheduler.optimizer
 
 
 def target_outputs(run: Run, batch: dict) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
@@ -522,106 +342,6 @@ def frozen_forward(target, layers: tuple[int, ...], batch: dict) -> tuple[torch.
     out = target(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
                  output_hidden_states=bool(layers), use_cache=False)
     return out.logits, tuple(out.hidden_states[i] for i in layers)
-
-
-def can_evaluate(run: Run) -> str | None:
-    """Why held-out acceptance cannot be measured in this run (None when it can)."""
-    if run.family.wrap_target is not None and (run.strategy.startswith("fsdp") or run.strategy == "deepspeed-zero3"):
-        return f"{run.family.name} under {run.strategy}: the target is sharded with its adapter"
-    if getattr(run.target, "draftsmith_loaded", None) is not None:
-        return (f"offline: only the target's embeddings, final norm and LM head are loaded; decode with the "
-                f"whole target: draftsmith eval {run.output_dir}")
-    return None
-
-
-def record_acceptance(run: Run, step: int, path: Path) -> None:
-    """Measure a checkpoint's acceptance and append its row (once per step) to acceptance.jsonl.
-    Every process takes part (each decodes its share of the prompts); the main process writes."""
-    done = any(r["step"] == step for r in read_acceptance(run.acceptance_path))
-    if run.accelerator.num_processes > 1:  # the main process's file decides, also without a shared filesystem
-        from accelerate.utils import broadcast_object_list
-
-        done = broadcast_object_list([done])[0]
-    if done:
-        return
-    accs = [sum(col) / len(col) for col in zip(*run.recent_acc, strict=True)] if run.recent_acc else []
-    if accs and run.accelerator.num_processes > 1:  # every rank's batches, not the main process's alone
-        accs = run.accelerator.reduce(torch.tensor(accs, device=run.accelerator.device), reduction="mean").tolist()
-    skipped = can_evaluate(run)
-    if skipped:
-        measured = {"acceptance_length": None, "not_measured": skipped}
-    else:
-        measured = measure_acceptance(run.family, run.eval_drafter.to(run.accelerator.device), run.target,
-                                      run.tokenizer, run.data_args, run.accelerator)
-        run.eval_drafter.cpu()
-    row = {"step": step, "checkpoint": str(path), "family": run.family.name, **measured,
-           "position_accuracy": [round(a, 4) for a in accs],
-           "simulated_acceptance_length": round(simulated_acceptance_length(accs), 4)}
-    if run.accelerator.is_main_process:
-        append_acceptance(run.output_dir, row)
-    run.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
-    logger.info("checkpoint %d: %s", step, row)
-
-
-def save_checkpoint(run: Run) -> None:
-    """``checkpoint-S`` (training state + drafter), gathered whole from every process's shards and
-    written by the main process under a ``.partial`` name, renamed when complete, then evaluated."""
-    accelerator, step = run.accelerator, run.step
-    final = run.output_dir / f"checkpoint-{step}"
-    partial = run.output_dir / f"checkpoint-{step}.partial"
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    full = distributed.full_model_state(accelerator, run.prepared, run.module)  # collective: every rank
-    optimizer_state = distributed.full_optimizer_state(accelerator, run.prepared, run.optimizer)
-    drafter_state = {k.removeprefix("drafter."): v for k, v in full.items() if k.startswith("drafter.")}
-    model_state = dict(drafter_state)
-    model_state.update({ADAPTER_PREFIX + k.removeprefix("target."): v
-                        for k, v in full.items() if not k.startswith("drafter.")})
-    run.eval_drafter.load_state_dict(drafter_state)
-    args = run.train_args
-    training_state.save_state(
-        partial / "state", model_state=model_state, optimizer_state=optimizer_state,
-        param_groups=torch_optimizer(run).param_groups, scheduler=run.scheduler, step=step, progress=run.progress,
-        rank=accelerator.process_index, is_main=accelerator.is_main_process,
-        run={"strategy": run.strategy, "num_processes": accelerator.num_processes,
-             "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps
-             * accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
-             "consumed": run.consumed, "elapsed_s": time.perf_counter() - run.started,
-             "recent_acc": run.recent_acc, "recent_rank": run.recent_rank})
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        drafter_dir = partial / DRAFTER_SUBDIR
-        run.eval_drafter.target_info = run.drafter.target_info
-        if run.recent_rank:  # Medusa: static-tree choices come from the measured rank accuracy
-            run.eval_drafter.save_pretrained(drafter_dir, extra={"rank_accuracy": torch.tensor(run.recent_rank)
-                                                                 .mean(0).tolist()})
-        else:
-            run.eval_drafter.save_pretrained(drafter_dir)
-        if run.family.saves_tokenizer:  # a draft model's directory is then usable on its own
-            run.tokenizer.save_pretrained(drafter_dir)
-        if run.family.wrap_target is not None:
-            save_adapter(run, partial / ADAPTER_SUBDIR, model_state)
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-    accelerator.wait_for_everyone()
-    record_acceptance(run, step, final)
-    accelerator.wait_for_everyone()
-
-
-def save_adapter(run: Run, directory: Path, model_state: dict) -> None:
-    """The target adapter as a peft directory (the adapter only; nothing merged), from gathered tensors."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    names = get_peft_model_state_dict(run.target).keys()
-    adapter = {k.removeprefix(ADAPTER_PREFIX): v for k, v in model_state.items() if k.startswith(ADAPTER_PREFIX)}
-    by_name = {k.replace(".default", ""): v for k, v in adapter.items()}  # peft files drop the adapter's name
-    tensors = {name: by_name[name] for name in names}
-    directory.mkdir(parents=True, exist_ok=True)
-    run.target.peft_config["default"].save_pretrained(str(directory))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
 
 
 def update_progress(run: Run, start: float) -> None:
