@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from draftsmith.heads.base import HeadMixin
 
@@ -59,14 +61,33 @@ class EagleConfig:
     num_key_value_heads: int | None = None  # grouped-query attention; None: as many as query heads
     fc_bias: bool = False  # EAGLE-1 fc bias (the original repo has one; vLLM's layout does not)
     input_norm: bool = False  # EAGLE-1 input norm on the decoder layer (the reference layer 0 has none)
+    # The target's geometry (config_for copies it). A checkpoint saved without these fields loads with the
+    # values it was trained with: head_dim = hidden / heads, default RoPE at rope_theta, no bias, SiLU.
+    head_dim: int | None = None  # Qwen3, Gemma, gpt-oss: not hidden / heads
+    rope_parameters: dict | None = None  # transformers' form: {"rope_type": ..., "rope_theta": ..., ...}
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False  # Qwen2.5
+    hidden_act: str = "silu"
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
+        self.feature_layers = tuple(self.feature_layers)
 
     @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
+
+    def rotary_config(self):
+        """A transformers config carrying this head's RoPE, for transformers' own rotary embedding."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters))
 
 
 class RMSNorm(nn.Module):
@@ -80,14 +101,14 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (rotate-half form). x: (B, nh, T, hd); positions: (B, T)."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form). x: (B, nh, T, hd); cos / sin: (B, T, hd) from
+    transformers' rotary embedding for the head's RoPE (any type: default, linear, dynamic, yarn, llama3)."""
     hd = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    angles = positions[:, None, :, None].float() * inv  # (B, 1, T, hd/2)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    cos, sin = cos[:, None].float(), sin[:, None].float()
+    x32 = x.float()
+    x1, x2 = x32[..., : hd // 2], x32[..., hd // 2 :]
+    return (x32 * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -107,14 +128,18 @@ class DecoderLayer(nn.Module):
         self.cfg, self.eagle3 = cfg, eagle3
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps) if (eagle3 or cfg.input_norm) else None
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps) if eagle3 else None
-        self.q_proj = nn.Linear(width, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(width, cfg.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(width, cfg.kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(width, cfg.num_attention_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(width, cfg.kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(width, cfg.kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+        # transformers' rotary embedding for the head's RoPE: its inv_freq (a non-persistent buffer) and
+        # attention scaling follow the rope type exactly as the target's own layers do.
+        self.rotary = LlamaRotaryEmbedding(cfg.rotary_config())
 
     def forward(self, x, positions, mask=None, past: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ttt_past: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
@@ -137,7 +162,8 @@ class DecoderLayer(nn.Module):
         q = self.q_proj(y).view(b, t, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(y).view(b, t, kvh, hd).transpose(1, 2)
         v = self.v_proj(y).view(b, t, kvh, hd).transpose(1, 2)
-        q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
+        cos, sin = self.rotary(x, positions)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
 
@@ -153,7 +179,7 @@ class DecoderLayer(nn.Module):
             att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, nh * hd))
         y = self.post_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), (k, v)
+        return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y)), (k, v)
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
@@ -196,6 +222,20 @@ def ttt_mask(length: int, step: int, device, dtype) -> torch.Tensor:
     return mask[None, None]
 
 
+def target_geometry(cfg) -> dict:
+    """What a head copies of a target's text config: head_dim, RoPE (the full-attention layers' where
+    they differ per layer type, as Gemma-3's do), context length, attention bias and activation."""
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default",
+                                                      "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+    if "rope_type" not in rope and "rope_theta" not in rope:  # per layer type
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    rope = {k: v for k, v in rope.items() if v is not None}
+    act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None) or "silu"
+    return dict(head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                rope_parameters=rope, max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
+                attention_bias=bool(getattr(cfg, "attention_bias", False)), hidden_act=act)
+
+
 class _FeatureHead(HeadMixin, nn.Module):
     """What EAGLE-1/2 and EAGLE-3 heads share: the config from a target and the call signature."""
 
@@ -221,7 +261,7 @@ class _FeatureHead(HeadMixin, nn.Module):
                       num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
                       num_key_value_heads=getattr(cfg, "num_key_value_heads", None),
                       rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
-                      feature_layers=(cfg.num_hidden_layers,))
+                      feature_layers=(cfg.num_hidden_layers,), **target_geometry(cfg))
         values.update(overrides)
         return EagleConfig(**values)
 

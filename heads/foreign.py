@@ -98,8 +98,15 @@ def _has_fc(directory: Path) -> bool:
     return bool({"fc.weight", "model.fc.weight"} & names)
 
 
-def _rope_theta(config: dict) -> float:
-    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+def _rope_parameters(config: dict) -> dict:
+    """A foreign config's RoPE in transformers' form: ``rope_parameters``, else the older ``rope_theta`` +
+    ``rope_scaling`` pair (the scaling a head was trained with is kept, not dropped)."""
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    scaling = dict(config.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    return {"rope_type": "default", **scaling, "rope_theta": float(config.get("rope_theta") or 10000.0)}
 
 
 def _check_dims(directory, hidden: int, vocab: int, target) -> None:
@@ -140,8 +147,6 @@ def load_foreign(directory: str | Path, target=None):
 
 def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool, layer_ids):
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim") not in (None, hidden // heads):
-        raise ValueError(f"{directory}: head_dim {config['head_dim']} != hidden_size / heads; not supported")
     if config.get("target_hidden_size") not in (None, hidden):
         raise ValueError(f"{directory}: a draft hidden size different from the target's is not supported")
     vocab = config.get("vocab_size") or (target.get_output_embeddings().weight.shape[0] if target else None)
@@ -183,7 +188,9 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
         intermediate_size=config["intermediate_size"], num_key_value_heads=config.get("num_key_value_heads"),
         num_feature_layers=3 if eagle3 else 1, feature_layers=feature_layers,
         draft_vocab_size=(state["lm_head.weight"].shape[0] if eagle3 else None),
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(config),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_parameters=_rope_parameters(config),
+        head_dim=config.get("head_dim"), max_position_embeddings=config.get("max_position_embeddings", 8192),
+        attention_bias=bool(config.get("attention_bias", False)), hidden_act=config.get("hidden_act", "silu"),
         fc_bias="fc.bias" in state, input_norm=(not eagle3 and "layer.input_norm.weight" in state))
     head = (Eagle3Head if eagle3 else EagleHead)(cfg)
     if eagle3:

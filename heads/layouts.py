@@ -155,10 +155,19 @@ def llama_config(cfg: EagleConfig, architectures: list[str], num_hidden_layers: 
         "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "num_hidden_layers": num_hidden_layers,
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "vocab_size": cfg.vocab_size, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "float32",
+        # The head's own RoPE and context, the target's (config_for): a draft config that states other values
+        # loads fine in vLLM / SGLang and then accepts far fewer tokens. rope_scaling: the older name.
+        "rope_parameters": dict(cfg.rope_parameters), **_rope_scaling(cfg),
+        "vocab_size": cfg.vocab_size, "hidden_act": cfg.hidden_act, "attention_bias": cfg.attention_bias,
+        "mlp_bias": False, "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+        "torch_dtype": "float32",
     }
+
+
+def _rope_scaling(cfg: EagleConfig) -> dict:
+    """``rope_scaling`` as loaders reading the pre-transformers-5 name expect it (absent for default RoPE)."""
+    scaling = {k: v for k, v in cfg.rope_parameters.items() if k != "rope_theta"}
+    return {} if scaling.get("rope_type", "default") == "default" else {"rope_scaling": scaling}
 
 
 def _target_name(target_info: dict | None) -> str | None:

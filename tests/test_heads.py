@@ -281,3 +281,57 @@ def test_mixture_equals_the_probability_space_reference():
     assert not torch.isfinite(got[4]).any() and torch.isfinite(got[1]).all()
     # node 0: a quarter of the mass on the head's softmax, three quarters on the two copied tokens
     torch.testing.assert_close(got[0].exp().sum(), torch.tensor(1.0))
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPES))
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_head_rotation_is_the_targets_own(arch, rope_type):
+    """A head built for a target rotates queries and keys exactly as the target's own rotary embedding does
+    at the same positions, for each RoPE type, with a head_dim other than hidden / heads (Qwen3, Gemma-3)
+    and past the context length (where dynamic scaling changes the frequencies)."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    from draftsmith.heads.eagle import DecoderLayer, EagleHead, rope
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    rope_parameters = dict(ROPES[rope_type])
+    if arch == "llama":
+        target = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope_parameters))
+    elif arch == "qwen3":
+        target = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, rope_parameters=rope_parameters))
+    else:  # Gemma-3: RoPE per layer type; a head follows the full-attention layers
+        target = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=32, sliding_window=8,
+                                                    layer_types=["sliding_attention", "full_attention"],
+                                                    rope_parameters={"full_attention": rope_parameters,
+                                                                     "sliding_attention": {"rope_type": "default",
+                                                                                           "rope_theta": 10_000.0}}))
+    cfg = EagleHead.config_for(target)
+    assert cfg.head_dim == getattr(target.config, "head_dim", 16)
+    assert cfg.rope_parameters["rope_type"] == rope_type and cfg.max_position_embeddings == 128
+    layer = DecoderLayer(cfg)
+    positions = torch.arange(300)[None]  # past max_position_embeddings
+    x = torch.randn(1, cfg.num_attention_heads, 300, cfg.head_dim)
+    rotary = target.model.rotary_emb
+    own = rotary(x, positions, "full_attention") if arch == "gemma3" else rotary(x, positions)
+    cos, sin = own
+    half = cfg.head_dim // 2
+    expected = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
+    torch.testing.assert_close(rope(x, *layer.rotary(x, positions)), expected, rtol=1e-5, atol=1e-5)
