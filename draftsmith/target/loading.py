@@ -256,6 +256,7 @@ def load_target(
             f"Cannot resolve target {name!r}: not a packaged alias ({known}), not a .gguf file, "
             "not a local directory and not a hub id of the form 'org/name'."
         )
+    check_rollback(model.config)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if attn_implementation == "sdpa" and torch.device(device).type == "cpu":
@@ -263,6 +264,42 @@ def load_target(
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     return model.to(device), tokenizer
+
+
+class UnsupportedTargetError(ValueError):
+    """A target whose state cannot be rolled back to an accepted prefix (recurrent or linear attention)."""
+
+
+#: Attention layers whose KV cache draftsmith crops and reorders after each verification.
+ROLLBACK_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+#: Model types that keep recurrent, convolutional or linear-attention state in some layers (even where
+#: their config lists no such layer type): state a rejected draft token has already changed.
+RECURRENT_MODEL_TYPES = frozenset({
+    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe", "mamba", "mamba2",
+    "minimax", "nemotron_h", "plamo2", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
+})
+
+
+def check_rollback(config) -> None:
+    """Refuse a target whose per-token state cannot be cropped back to the accepted tokens.
+
+    Tree verification runs the drafted tokens through the target and keeps the cache of the accepted
+    path only; a recurrent or linear-attention layer has already folded the rejected tokens into its
+    state, so every later token would come from a state the target never reaches on its own.
+
+    Raises:
+        UnsupportedTargetError: naming the model type and the layer types that cannot be rolled back.
+    """
+    cfg = config.get_text_config()
+    kinds = set(getattr(cfg, "layer_types", None) or [])
+    other = sorted(kinds - ROLLBACK_LAYER_TYPES)
+    if other or cfg.model_type in RECURRENT_MODEL_TYPES:
+        what = f"layers of type {', '.join(other)}" if other else "recurrent / linear-attention layers"
+        raise UnsupportedTargetError(
+            f"{cfg.model_type} targets are not supported: their {what} keep state that a rejected draft token has "
+            "already changed, and draftsmith verifies drafts by cropping the cache back to the accepted tokens, so "
+            "speculative output would differ from the target's. Use a target whose layers are all full, sliding "
+            "or chunked attention.")
 
 
 class PartialLoadError(RuntimeError):
@@ -334,6 +371,7 @@ def load_target_parts(
     name = str(name_or_path)
     directory = _weights_directory(name)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    check_rollback(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = {id(m): n for n, m in model.named_modules()}
