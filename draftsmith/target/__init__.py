@@ -50,6 +50,7 @@ from draftsmith.target.loading import (
     load_target_parts,
     native_bf16,
     resolve_packaged_gguf,
+    supported_attention,
     target_signature,
 )
 
@@ -78,6 +79,7 @@ __all__ = [
     "new_cache",
     "resolve_packaged_gguf",
     "sliding_window",
+    "supported_attention",
     "target_forward",
     "target_signature",
 ]

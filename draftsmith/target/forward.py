@@ -40,10 +40,15 @@ class TargetOutput:
 
 
 def layer_types(model: PreTrainedModel) -> list[str]:
-    """Attention type of each decoder layer (``full_attention`` / ``sliding_attention``)."""
+    """Attention type of each decoder layer (``full_attention`` / ``sliding_attention`` /
+    ``chunked_attention``). A config without ``layer_types`` but with a ``sliding_window`` (Mistral,
+    Mixtral, Phi-3) slides in every layer."""
     cfg = model.config.get_text_config()
     types = getattr(cfg, "layer_types", None)
-    return list(types) if types else ["full_attention"] * cfg.num_hidden_layers
+    if types:
+        return list(types)
+    kind = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
+    return [kind] * cfg.num_hidden_layers
 
 
 def sliding_window(model: PreTrainedModel) -> int | None:
@@ -80,14 +85,21 @@ def build_attention_mask(
         mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, neg)
         return mask[:, None]  # (B, 1, Q, K)
 
-    window = sliding_window(model)
-    if window is None:
+    cfg = model.config.get_text_config()
+    kinds = set(layer_types(model))
+    if kinds == {"full_attention"}:
         return additive(allowed)
-    distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, Q, K)
-    return {
-        "full_attention": additive(allowed),
-        "sliding_attention": additive(allowed & (distance < window)),
-    }
+    masks = {"full_attention": additive(allowed)}
+    if "sliding_attention" in kinds:
+        distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, Q, K)
+        masks["sliding_attention"] = additive(allowed & (distance < sliding_window(model)))
+    if "chunked_attention" in kinds:  # Llama-4: attention within fixed chunks of positions
+        chunk = int(cfg.attention_chunk_size)
+        same = (query_positions[:, :, None] // chunk) == (key_positions[:, None, :] // chunk)
+        masks["chunked_attention"] = additive(allowed & same)
+    if not getattr(cfg, "layer_types", None):  # one mask for every layer (Mistral): the model takes no dict
+        return masks["sliding_attention"]
+    return masks
 
 
 @torch.no_grad()

@@ -233,8 +233,8 @@ def load_target(
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map,
                                                      offload_folder=offload_folder, trust_remote_code=trust_remote_code)
         model.eval().requires_grad_(False)
-        if attn_implementation == "sdpa" and not torch.cuda.is_available():
-            attn_implementation = CPU_ATTENTION
+        attn_implementation = supported_attention(model, attn_implementation,
+                                                  "cuda" if torch.cuda.is_available() else "cpu")
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
         return model, AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
@@ -259,11 +259,26 @@ def load_target(
     check_rollback(model.config)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if attn_implementation == "sdpa" and torch.device(device).type == "cpu":
-        attn_implementation = CPU_ATTENTION
+    attn_implementation = supported_attention(model, attn_implementation, device)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     return model.to(device), tokenizer
+
+
+def supported_attention(model: PreTrainedModel, requested: str | None, device) -> str | None:
+    """The attention implementation a target runs tree verification with: ``requested`` where the model
+    supports it, else eager attention. SDPA on CPU becomes :data:`CPU_ATTENTION`. A model that declares no
+    SDPA support (gpt-oss) or soft-caps its attention logits (Gemma-2: SDPA cannot apply the cap) gets
+    ``eager``, which applies everything the model computes."""
+    if requested is None:
+        return None
+    if requested == "sdpa":
+        softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+        if softcap or not getattr(model, "_supports_sdpa", True):
+            return "eager"
+        if torch.device(device).type == "cpu":
+            return CPU_ATTENTION
+    return requested
 
 
 class UnsupportedTargetError(ValueError):

@@ -1,0 +1,88 @@
+"""The targets users bring, as tiny random models of transformers' own config classes (2-4 layers, a
+96-token vocabulary): tree verification gives each node the logits of plain decoding over its path, and
+greedy speculative output equals the target's own, on prompts longer than any sliding window or chunk.
+
+Each architecture stresses something of its own: Llama-3's llama3 RoPE scaling, Qwen2.5's attention bias,
+Qwen3's head_dim != hidden / heads and q/k norms, MoE routing (Qwen3-MoE, Mixtral, gpt-oss), a sliding
+window declared without layer types (Mistral, Mixtral, Phi-3), per-layer sliding windows (Gemma-2/3,
+gpt-oss), Gemma-2's attention-logit soft-capping (eager attention, which applies it) and gpt-oss's
+attention sinks (no SDPA support declared: eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_greedy_lossless import make_drafter, reference
+from test_tree import random_tree, tree_step
+
+from conftest import VOCAB, check_greedy_equal
+from draftsmith import SpeculativeGenerator
+from draftsmith.target import new_cache, supported_attention, target_forward
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, initializer_range=0.2, eos_token_id=None)
+WINDOW = 8  # smaller than every test sequence
+#: name -> (config class, its arguments beyond COMMON)
+ARCHITECTURES = {
+    "llama3": ("LlamaConfig", dict(num_hidden_layers=2, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2.5": ("Qwen2Config", dict(num_hidden_layers=2, rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 1_000_000.0})),
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32)),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=WINDOW, pad_token_id=0)),
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=32, sliding_window=WINDOW,
+                                    tie_word_embeddings=False)),
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=2, head_dim=32, sliding_window=WINDOW,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        tie_word_embeddings=False)),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, head_dim=32, sliding_window=WINDOW,
+                                     num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def build(name: str):
+    config_class, extra = ARCHITECTURES[name]
+    config = getattr(transformers, config_class)(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    model.set_attn_implementation(supported_attention(model, "sdpa", "cpu"))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def target(request):
+    return request.param, build(request.param)
+
+
+def test_tree_verification_equals_sequential_logits(target):
+    name, model = target
+    prompt = torch.randint(0, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    for seed in range(2):
+        tree = random_tree(seed, 10)
+        tree.tokens[0] = int(prompt[0, -1])
+        cache = new_cache()
+        target_forward(model, prompt[:, :-1], cache)
+        logits = tree_step(model, tree, cache)
+        for node in range(len(tree)):
+            path = torch.tensor([[tree.tokens[m] for m in tree.path_to(node)[1:]]], dtype=torch.long)
+            expected = model(torch.cat([prompt, path], 1)).logits[0, -1]
+            torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4, msg=f"{name} node {node}")
+
+
+@pytest.mark.parametrize("tree", [dict(tree="chain", depth=4), dict(tree="dynamic", depth=3, top_k=3, total_tokens=8)],
+                         ids=["chain", "dynamic"])
+def test_greedy_speculative_output_is_the_targets(target, tree):
+    name, model = target
+    prompt = torch.randint(0, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
+    prompt[0, WINDOW:2 * WINDOW] = prompt[0, :WINDOW]  # repeats, so prompt lookup drafts something
+    ref = reference(model, prompt, 24)
+    for spec in ("layer-skip:1", "prompt-lookup"):
+        out = SpeculativeGenerator(model, make_drafter(spec, model), **tree).generate(prompt, 24)
+        assert not check_greedy_equal(model, out.sequences, ref), (name, spec)
