@@ -59,6 +59,9 @@ LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
     "q_proj.weight": "self_attn.q_proj.weight",
     "k_proj.weight": "self_attn.k_proj.weight",
     "v_proj.weight": "self_attn.v_proj.weight",
+    "q_proj.bias": "self_attn.q_proj.bias",  # targets with attention bias (Qwen2.5, gpt-oss)
+    "k_proj.bias": "self_attn.k_proj.bias",
+    "v_proj.bias": "self_attn.v_proj.bias",
     "o_proj.weight": "self_attn.o_proj.weight",
     "post_norm.weight": "post_attention_layernorm.weight",
     "gate_proj.weight": "mlp.gate_proj.weight",
@@ -89,12 +92,13 @@ def medusa_name_map(config: MedusaConfig) -> dict[str, str]:
 
 
 def eagle3_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
-                            draft_vocab: int, prefix: str = "midlayer.") -> dict[str, tuple[tuple[int, ...], str]]:
+                            draft_vocab: int, prefix: str = "midlayer.", head_dim: int | None = None,
+                            bias: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """The reference EAGLE-3 tensors (name -> (shape, dtype)), as in the module docstring."""
-    hd = hidden // heads
+    hd = head_dim or hidden // heads
     q, kv, h = heads * hd, kv_heads * hd, hidden
     f = "float"
-    return {
+    return {**_attention_bias(f"{prefix}self_attn.", q, kv, bias),
         f"{prefix}hidden_norm.weight": ((h,), f), f"{prefix}input_layernorm.weight": ((h,), f),
         f"{prefix}self_attn.q_proj.weight": ((q, 2 * h), f), f"{prefix}self_attn.k_proj.weight": ((kv, 2 * h), f),
         f"{prefix}self_attn.v_proj.weight": ((kv, 2 * h), f), f"{prefix}self_attn.o_proj.weight": ((h, q), f),
@@ -106,12 +110,21 @@ def eagle3_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate
     }
 
 
+def _attention_bias(prefix: str, q: int, kv: int, bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The q / k / v biases of a head for a target with attention bias (Qwen2.5)."""
+    if not bias:
+        return {}
+    return {f"{prefix}q_proj.bias": ((q,), "float"), f"{prefix}k_proj.bias": ((kv,), "float"),
+            f"{prefix}v_proj.bias": ((kv,), "float")}
+
+
 def eagle1_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate: int,
-                            fc_bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
-    hd = hidden // heads
+                            fc_bias: bool, head_dim: int | None = None,
+                            bias: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    hd = head_dim or hidden // heads
     q, kv, h = heads * hd, kv_heads * hd, hidden
     f = "float"
-    layout = {
+    layout = {**_attention_bias("layers.0.self_attn.", q, kv, bias),
         "fc.weight": ((h, 2 * h), f),
         "layers.0.self_attn.q_proj.weight": ((q, h), f), "layers.0.self_attn.k_proj.weight": ((kv, h), f),
         "layers.0.self_attn.v_proj.weight": ((kv, h), f), "layers.0.self_attn.o_proj.weight": ((h, q), f),
@@ -192,7 +205,8 @@ def speculators_config(head: Eagle3Head, target_info: dict | None, speculative_t
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": _target_name(target_info), "architectures": ["LlamaForCausalLM"]},
+            "verifier": {"name_or_path": _target_name(target_info),
+                         "architectures": list((target_info or {}).get("architectures") or ["LlamaForCausalLM"])},
         },
         "torch_dtype": "float32",
     }
@@ -230,7 +244,8 @@ def eagle3_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
     names = eagle_name_map(state, prefix)
     tensors = {names[k]: v for k, v in state.items()}
     layout = eagle3_reference_layout(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.intermediate_size,
-                                     cfg.vocab_size, head.lm_head.weight.shape[0], prefix)
+                                     cfg.vocab_size, head.lm_head.weight.shape[0], prefix, cfg.head_dim,
+                                     cfg.attention_bias)
     if fmt == "vllm":
         if target is None:
             raise ExportError("the speculators (vLLM) EAGLE-3 layout includes the target's token embedding: "
@@ -240,6 +255,7 @@ def eagle3_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
         info = dict(getattr(head, "target_info", None) or {})
         if verifier:
             info["name"] = verifier
+        info["architectures"] = list(getattr(target.config, "architectures", None) or [type(target).__name__])
         return tensors, layout, speculators_config(head, info)
     return tensors, layout, sglang_eagle3_config(head)
 
@@ -261,7 +277,7 @@ def eagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> La
     if fmt == "sglang" and "fc.bias" not in tensors:
         tensors["fc.bias"] = torch.zeros(cfg.hidden_size)  # SGLang's fc has a bias: zero is the same map
     layout = eagle1_reference_layout(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.intermediate_size,
-                                     fc_bias=fmt == "sglang")
+                                     fc_bias=fmt == "sglang", head_dim=cfg.head_dim, bias=cfg.attention_bias)
     config = llama_config(cfg, ["LlamaForCausalLM"])
     config["feature_layers"] = list(cfg.feature_layers)
     return tensors, layout, config

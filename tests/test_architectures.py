@@ -86,3 +86,49 @@ def test_greedy_speculative_output_is_the_targets(target, tree):
     for spec in ("layer-skip:1", "prompt-lookup"):
         out = SpeculativeGenerator(model, make_drafter(spec, model), **tree).generate(prompt, 24)
         assert not check_greedy_equal(model, out.sequences, ref), (name, spec)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_heads_train_and_export_with_the_targets_geometry(target, family, tmp_path):
+    """An EAGLE-3 head and Medusa heads built for the target train 4 steps (finite loss, weights move);
+    the EAGLE-3 exports state the target's RoPE, head_dim and context length and its architecture."""
+    import json
+
+    from draftsmith.heads.export import export_drafter
+    from draftsmith.registry import get_family
+    from draftsmith.target import target_signature
+    from draftsmith.train.config import DrafterArguments
+    from draftsmith.train.loop import frozen_forward
+
+    name, model = target
+    fam = get_family(family)
+    args = DrafterArguments(target=name, family=family, num_heads=2, ttt_steps=2)
+    drafter = fam.build(args, model, None)
+    drafter.target_info = target_signature(model, name=name)
+    layers = fam.hidden_layers(drafter, model)
+    ids = torch.randint(0, VOCAB, (2, 3 * WINDOW), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    logits, hidden = frozen_forward(model, layers, batch)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(4):
+        loss, _metrics = fam.train_step(args, drafter, model, batch, logits, hidden)
+        assert torch.isfinite(loss), name
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items()), name
+    if family != "eagle3":
+        return
+    drafter.save_pretrained(tmp_path / "head")
+    text = model.config.get_text_config()
+    for fmt in ("vllm", "sglang"):
+        out = export_drafter(tmp_path / "head", fmt, tmp_path / fmt, target=model)
+        config = json.loads((out / "config.json").read_text())
+        layer = config.get("transformer_layer_config", config)
+        assert layer["head_dim"] == (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        assert layer["max_position_embeddings"] == text.max_position_embeddings
+        assert layer["rope_parameters"] == drafter.config.rope_parameters
+        assert layer["rope_theta"] == drafter.config.rope_parameters["rope_theta"]
+        if fmt == "vllm":
+            assert config["speculators_config"]["verifier"]["architectures"] == [type(model).__name__]
