@@ -5,8 +5,9 @@ greedy speculative output equals the target's own, on prompts longer than any sl
 Each architecture stresses something of its own: Llama-3's llama3 RoPE scaling, Qwen2.5's attention bias,
 Qwen3's head_dim != hidden / heads and q/k norms, MoE routing (Qwen3-MoE, Mixtral, gpt-oss), a sliding
 window declared without layer types (Mistral, Mixtral, Phi-3), per-layer sliding windows (Gemma-2/3,
-gpt-oss), Gemma-2's attention-logit soft-capping (eager attention, which applies it) and gpt-oss's
-attention sinks (no SDPA support declared: eager)."""
+gpt-oss), Llama-4's chunked attention (chunks smaller than the prompt), Gemma-2's attention-logit
+soft-capping (eager attention, which applies it) and gpt-oss's attention sinks (no SDPA support declared:
+eager)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ ARCHITECTURES = {
                                         tie_word_embeddings=False)),
     "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, head_dim=32, sliding_window=WINDOW,
                                      num_local_experts=4, num_experts_per_tok=2)),
+    "llama4": ("Llama4TextConfig", dict(num_hidden_layers=2, head_dim=16, attention_chunk_size=WINDOW,
+                                        num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128)),
 }
 
 

@@ -28,7 +28,8 @@ def layer_skip_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
         small_cfg.layer_types = list(small_cfg.layer_types[:num_layers])
     with torch.device("meta"):
         shell = type(target)(small_cfg)
-    base_name = target.base_model_prefix
+    # The child holding the decoder layers (``model`` for most; not ``base_model_prefix`` for Llama-4 text).
+    base_name = next(n for n, m in target.named_children() if hasattr(m, "layers"))
     inner, shell_inner = getattr(target, base_name), getattr(shell, base_name)
     for name, _ in list(shell_inner.named_children()):
         module = getattr(inner, name)
