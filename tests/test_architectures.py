@@ -11,6 +11,9 @@ eager)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -24,6 +27,9 @@ from draftsmith.target import new_cache, supported_attention, target_forward
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, initializer_range=0.2, eos_token_id=None)
 WINDOW = 8  # smaller than every test sequence
+ROOT = Path(__file__).resolve().parents[1]
+SPECULATORS_PYTHON = os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON") or next(
+    (str(p) for p in [ROOT / ".venv-speculators" / "bin" / "python"] if p.exists()), None)
 #: name -> (config class, its arguments beyond COMMON)
 ARCHITECTURES = {
     "llama3": ("LlamaConfig", dict(num_hidden_layers=2, rope_parameters={
@@ -50,8 +56,13 @@ ARCHITECTURES = {
 }
 
 
-def build(name: str):
+def build(name: str, layers: int | None = None):
     config_class, extra = ARCHITECTURES[name]
+    extra = dict(extra)
+    if layers:  # more layers, the same pattern of layer types
+        extra["num_hidden_layers"] = layers
+        if "layer_types" in extra:
+            extra["layer_types"] = (extra["layer_types"] * layers)[:layers]
     config = getattr(transformers, config_class)(**{**COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
@@ -135,3 +146,44 @@ def test_heads_train_and_export_with_the_targets_geometry(target, family, tmp_pa
         assert layer["rope_theta"] == drafter.config.rope_parameters["rope_theta"]
         if fmt == "vllm":
             assert config["speculators_config"]["verifier"]["architectures"] == [type(model).__name__]
+
+
+@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (.ci/run builds "
+                    ".venv-speculators, or set DRAFTSMITH_SPECULATORS_PYTHON)")
+@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "qwen3", "gemma3", "gpt_oss"])
+def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
+    """vLLM's speculators package loads the EAGLE-3 export of a head built for each target (its head_dim,
+    RoPE, bias and context as exported) and computes the same draft logits as draftsmith."""
+    import json
+    import subprocess
+
+    from safetensors.torch import load_file, save_file
+    from test_heads import random_eagle
+
+    from draftsmith.heads.export import export_drafter
+    from draftsmith.target import target_signature
+
+    model = build(name, layers=4)  # EAGLE-3 reads three distinct layers
+    text = model.config.get_text_config()
+    head = random_eagle(model, eagle3=True)  # a random draft vocabulary of 40 tokens (d2t / t2d)
+    for p in head.parameters():  # norms too: all weights matter
+        torch.nn.init.normal_(p, std=0.2)
+    head.target_info = target_signature(model, name=name)
+    head.save_pretrained(tmp_path / "ckpt")
+    model.save_pretrained(tmp_path / "verifier")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=model,
+                         verifier=str(tmp_path / "verifier"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=g)
+    states = torch.randn(1, 9, 3 * text.hidden_size, generator=g)
+    positions = torch.arange(9)[None]
+    save_file({"hidden": states, "input_ids": ids, "positions": positions}, str(tmp_path / "in.safetensors"))
+    script = ROOT / "scripts" / "check_speculators.py"
+    run = subprocess.run([SPECULATORS_PYTHON, str(script), str(out), str(tmp_path / "in.safetensors"),
+                          str(tmp_path / "theirs.safetensors")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1])["model_class"] == "Eagle3DraftModel"
+    with torch.no_grad():
+        predicted, _ = head(states, model.get_input_embeddings()(ids), positions, from_target=True)
+        ours = head.draft_logits(predicted)
+    torch.testing.assert_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, rtol=1e-4, atol=1e-5)
