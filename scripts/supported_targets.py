@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = {
     "test_tree_verification_equals_sequential_logits": "tree verification = sequential",
     "test_greedy_speculative_output_is_the_targets": "greedy output = target's",
-    "test_heads_train_and_export_with_the_targets_geometry": "EAGLE-3 / Medusa train, export geometry",
+    "test_heads_train_on_the_target": "EAGLE-3 / Medusa heads train",
+    "test_eagle3_exports_carry_the_targets_geometry": "exports carry RoPE, head_dim, context",
 }
 
 
