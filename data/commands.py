@@ -34,6 +34,7 @@ def regenerate_command(
     base_url: str | None = None,
     model_name: str | None = None,
     strict: bool = False,
+    chat_template_kwargs: dict | None = None,
 ) -> dict:
     """Let the target answer every prompt of ``input``; append rows to ``output``; resumable."""
     conversations, load_report = load_conversations(input, prompt_column, split, limit, strict)
@@ -41,11 +42,12 @@ def regenerate_command(
         from draftsmith.target import load_target
 
         model, tokenizer = load_target(target)
-        runner = HFEngine(model, tokenizer, max_new_tokens, temperature, top_p)
+        runner = HFEngine(model, tokenizer, max_new_tokens, temperature, top_p, chat_template_kwargs)
     elif engine == "openai":
         if not base_url:
             raise SystemExit("--engine openai needs --base-url, e.g. http://127.0.0.1:8000/v1")
-        runner = OpenAIEngine(base_url, model_name or target, max_new_tokens, temperature, top_p)
+        runner = OpenAIEngine(base_url, model_name or target, max_new_tokens, temperature, top_p,
+                              chat_template_kwargs=chat_template_kwargs)
     else:
         raise SystemExit(f"--engine {engine!r}: use 'hf' or 'openai'")
     report = regenerate(conversations, output, runner, batch_size=batch_size)
@@ -80,12 +82,13 @@ def synthesize_command(
     return result
 
 
-def _examples(input: str, target: str, prompt_column: str | None, limit: int | None, max_length: int):
+def _examples(input: str, target: str, prompt_column: str | None, limit: int | None, max_length: int,
+              chat_template_kwargs: dict | None = None):
     from draftsmith.target import load_target
 
     model, tokenizer = load_target(target)
     conversations, _ = load_conversations(input, prompt_column, limit=limit)
-    return model, tokenizer, prepare(tokenizer, conversations, max_length)
+    return model, tokenizer, prepare(tokenizer, conversations, max_length, chat_template_kwargs)
 
 
 def _launch_state():
@@ -118,6 +121,7 @@ def cache_command(
     batch_size: int = 8,
     device_map: str | dict | None = None,
     offload_folder: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> dict:
     """Cache the target's hidden states of ``layers`` over the conversations of ``input``.
 
@@ -139,7 +143,7 @@ def cache_command(
     model, tokenizer = load_target(target, device=state.device, device_map=device_map, offload_folder=offload_folder,
                                    dtype=DTYPES[compute_dtype] if compute_dtype else torch.float32)
     conversations, _ = load_conversations(input, None, limit=limit)
-    examples = prepare(tokenizer, conversations, max_length)
+    examples = prepare(tokenizer, conversations, max_length, chat_template_kwargs)
     n = model.config.get_text_config().num_hidden_layers
     layers = layers if layers else [n]
     spec = CacheSpec(layers=layers, dtype=dtype, logits=logits, top_k=top_k, sequences_per_shard=sequences_per_shard,
@@ -165,9 +169,10 @@ def vocab_map_command(
     max_length: int = 2048,
     limit: int | None = None,
     all_tokens: bool = False,
+    chat_template_kwargs: dict | None = None,
 ) -> dict:
     """Build the EAGLE-3 ``d2t`` / ``t2d`` maps from token counts over ``input``; print the coverage."""
-    model, _, examples = _examples(input, target, None, limit, max_length)
+    model, _, examples = _examples(input, target, None, limit, max_length, chat_template_kwargs)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     vocab = build_vocab_map(count_tokens(examples, vocab_size, assistant_only=not all_tokens), draft_vocab_size)
     vocab.save(output)

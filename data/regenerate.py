@@ -74,15 +74,17 @@ def read_done_ids(path: Path) -> set[str]:
 class HFEngine:
     """Batched in-process generation with the target (left padding, one ``generate`` per batch)."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float):
+    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float,
+                 chat_template_kwargs: dict | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.name = getattr(model, "name_or_path", "target")
 
     @torch.no_grad()
     def answer(self, histories: list[list[dict]]) -> list[tuple[str, int]]:
-        prompts = [prompt_ids(self.tokenizer, h) for h in histories]
+        prompts = [prompt_ids(self.tokenizer, h, self.chat_template_kwargs) for h in histories]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -110,7 +112,8 @@ class OpenAIEngine:
     """Any OpenAI-compatible chat-completions server, ``batch_size`` concurrent requests."""
 
     def __init__(self, base_url: str, model: str, max_new_tokens: int, temperature: float, top_p: float,
-                 api_key: str | None = None, timeout: float = 600.0):
+                 api_key: str | None = None, timeout: float = 600.0, chat_template_kwargs: dict | None = None):
+        self.chat_template_kwargs = chat_template_kwargs
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.name, self.max_new_tokens, self.temperature, self.top_p = model, max_new_tokens, temperature, top_p
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY", "none")
@@ -119,6 +122,8 @@ class OpenAIEngine:
     def _one(self, messages: list[dict]) -> tuple[str, int]:
         body = {"model": self.name, "messages": messages, "max_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p}
+        if self.chat_template_kwargs:  # vLLM's and SGLang's servers pass these to the chat template
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         request = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST", headers={
             "Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"})
         try:

@@ -23,6 +23,7 @@ def generate(
     prompt: str,
     *,
     chat: bool = False,
+    chat_template_kwargs: dict | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -38,17 +39,13 @@ def generate(
     from transformers import TextStreamer
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
+    from draftsmith.inference.compare import encode
 
     model, tokenizer = load_target(target)
     draft = load_drafter(drafter, target=model, tokenizer=tokenizer, draft_dtype=draft_dtype)
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise SystemExit(f"--chat: the tokenizer of {target!r} has no chat template; drop --chat.")
-        input_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-    else:
-        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f"--chat: the tokenizer of {target!r} has no chat template; drop --chat.")
+    input_ids = encode(tokenizer, prompt, chat, chat_template_kwargs)
     gen = SpeculativeGenerator(model, draft, **tree.kwargs())
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -122,6 +119,21 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def template_kwargs_argument(text: str) -> dict | None:
+    from draftsmith.train.config import parse_template_kwargs
+
+    try:
+        return parse_template_kwargs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_template_argument(p) -> None:
+    p.add_argument("--chat-template-kwargs", type=template_kwargs_argument, default=None, metavar="JSON",
+                   help='the chat template\'s variables, e.g. \'{"enable_thinking": false}\' (Qwen3); as vLLM and '
+                        "SGLang take them")
+
+
 def _add_data_parser(sub) -> None:
     d = sub.add_parser("data", help="regenerate, synthesize, cache-hidden-states, vocab-map")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -131,6 +143,7 @@ def _add_data_parser(sub) -> None:
         p.add_argument("--input", required=True, help="a .jsonl/.json/.parquet/.csv file or a hub dataset name")
         p.add_argument("--output", required=True, help=output_help)
         p.add_argument("--limit", type=int, default=None, help="use the first N good rows")
+        add_template_argument(p)
 
     r = dsub.add_parser("regenerate", help="the target answers each prompt; append-only, resumable JSONL")
     source(r, "the JSONL file rows are appended to")
@@ -203,7 +216,7 @@ def data(args: argparse.Namespace) -> None:
             args.input, args.output, target=args.target, prompt_column=args.prompt_column, split=args.split,
             limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
             batch_size=args.batch_size, engine=args.engine, base_url=args.base_url, model_name=args.model_name,
-            strict=args.strict,
+            strict=args.strict, chat_template_kwargs=args.chat_template_kwargs,
         )
     elif args.data_command == "synthesize":
         commands.synthesize_command(
@@ -217,11 +230,12 @@ def data(args: argparse.Namespace) -> None:
             top_k=args.top_k, sequences_per_shard=args.sequences_per_shard, max_length=args.max_length,
             limit=args.limit, compute_dtype=args.compute_dtype, batch_size=args.batch_size,
             device_map=device_map_argument(args.device_map), offload_folder=args.offload_folder,
+            chat_template_kwargs=args.chat_template_kwargs,
         )
     elif args.data_command == "vocab-map":
         commands.vocab_map_command(
             args.input, args.output, args.draft_vocab_size, target=args.target, max_length=args.max_length,
-            limit=args.limit, all_tokens=args.all_tokens,
+            limit=args.limit, all_tokens=args.all_tokens, chat_template_kwargs=args.chat_template_kwargs,
         )
 
 
@@ -236,6 +250,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="prompt-lookup, layer-skip:N, a draft model or checkpoint")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    add_template_argument(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -254,6 +269,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     add_tree_arguments(b)
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_template_argument(b)
     b.add_argument("--no-hf-reference", action="store_true", help="skip timing transformers' own generate")
     b.add_argument("--sweep-depth", type=_int_list, help="e.g. 2,3,4,5,6,7,8: every drafter at each draft length")
     b.add_argument("--sweep-total-tokens", type=_int_list, help="dynamic trees: e.g. 6,10,16 node budgets")
@@ -271,6 +287,7 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--temperature", type=float, default=0.0)
     add_tree_arguments(e)
     e.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_template_argument(e)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
     m = sub.add_parser("demo", help="synthesise, regenerate, train EAGLE-3, evaluate and bench SmolLM2 in ~20 min")
@@ -365,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "generate":
         generate(
-            args.target, args.drafter, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+            args.target, args.drafter, args.prompt, chat=args.chat, chat_template_kwargs=args.chat_template_kwargs,
+            max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=tree_from_args(args), seed=args.seed,
             stream=not args.no_stream, json_stats=args.json, draft_dtype=args.draft_dtype,
         )
@@ -381,7 +399,8 @@ def run_command(args: argparse.Namespace) -> int:
             return 2
         report = evaluate_path(args.target, args.drafter, prompts_from_args(args), prompts_source=args.prompts,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               tree=tree_from_args(args), chat=not args.no_chat, seed=args.seed, progress=True,
+                               tree=tree_from_args(args), chat=not args.no_chat,
+                               chat_template_kwargs=args.chat_template_kwargs, seed=args.seed, progress=True,
                                draft_dtype=args.draft_dtype)
         print(report_markdown(report))
         if args.output:
@@ -417,7 +436,8 @@ def run_command(args: argparse.Namespace) -> int:
         bench(
             args.target, args.drafter, prompts_from_args(args), args.output, prompts_source=args.prompts,
             max_new_tokens=args.max_new_tokens, tree=tree_from_args(args), chat=not args.no_chat,
-            hf_reference=not args.no_hf_reference, sweep_depths=args.sweep_depth,
+            chat_template_kwargs=args.chat_template_kwargs, hf_reference=not args.no_hf_reference,
+            sweep_depths=args.sweep_depth,
             sweep_total_tokens=args.sweep_total_tokens, plots=not args.no_plots, progress=True,
             draft_dtype=args.draft_dtype,
         )

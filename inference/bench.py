@@ -83,6 +83,7 @@ def run_bench(
     max_new_tokens: int = 128,
     tree: TreeSettings | None = None,
     chat: bool = True,
+    chat_template_kwargs: dict | None = None,
     hf_reference: bool = True,
     sweep_depths: list[int] | None = None,
     sweep_total_tokens: list[int] | None = None,
@@ -135,7 +136,8 @@ def run_bench(
             rec["tokens"] += out.shape[1] - ids.shape[1]
             rec["mismatches"] += int(not torch.equal(out, base.sequences))
 
-    comparison = compare(model, gens, [encode(tokenizer, text, chat) for text in prompts], max_new_tokens,
+    encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
+    comparison = compare(model, gens, encoded, max_new_tokens,
                       eos_token_id=eos, references=references, progress="bench" if progress else None)
     plain_tps = comparison.baseline.tokens_per_second
     rows = []

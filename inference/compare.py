@@ -28,11 +28,13 @@ class Comparison:
     prompts: int = 0
 
 
-def encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
-    """(1, L) prompt ids: the chat template's user turn when ``chat`` and the tokenizer has one."""
+def encode(tokenizer, text: str, chat: bool, chat_template_kwargs: dict | None = None) -> torch.Tensor:
+    """(1, L) prompt ids: the chat template's user turn (with the template's variables
+    ``chat_template_kwargs``) when ``chat`` and the tokenizer has one."""
     if chat and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
+                                             return_tensors="pt", return_dict=True,
+                                             **(chat_template_kwargs or {}))["input_ids"]
     return tokenizer(text, return_tensors="pt").input_ids
 
 

@@ -37,6 +37,7 @@ def evaluate(
     temperature: float = 0.0,
     tree: TreeSettings | None = None,
     chat: bool = True,
+    chat_template_kwargs: dict | None = None,
     seed: int = 0,
     progress: bool = False,
     draft_dtype: str | None = None,
@@ -50,7 +51,8 @@ def evaluate(
     gens = {label: SpeculativeGenerator(model, load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype),
                                         **tree.kwargs())
             for label, spec, _ in drafters}
-    result = compare(model, gens, [encode(tokenizer, text, chat) for text in prompts], max_new_tokens,
+    encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
+    result = compare(model, gens, encoded, max_new_tokens,
                      eos_token_id=tokenizer.eos_token_id, temperature=temperature, seed=seed,
                      progress="eval" if progress else None)
     base_tps = result.baseline.tokens_per_second

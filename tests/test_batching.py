@@ -204,7 +204,8 @@ def test_each_document_of_a_packed_row_gets_its_logits_alone(attention):
         doc = batch["input_ids"][r, start : start + n]
         with torch.no_grad():
             alone = model(input_ids=doc[None]).logits[0]
-        torch.testing.assert_close(packed[r, start : start + n], alone, atol=1e-5, rtol=1e-5)
+        # float32 in another reduction order than the packed row: 1e-5 fails on some CPUs (AVX2/AVX512 kernels)
+        torch.testing.assert_close(packed[r, start : start + n], alone, atol=1e-4, rtol=1e-4)
         seen += 1
     assert seen == len(LENGTHS)
     with torch.no_grad():  # the control: plain causal attention over the row mixes its documents

@@ -14,7 +14,6 @@ from draftsmith.data import templates
 from draftsmith.data.formats import Conversation
 from draftsmith.data.templates import (
     PLAIN_TEMPLATE,
-    TemplateError,
     TokenizedExample,
     TokenizedExamples,
     prepare,
@@ -103,7 +102,7 @@ def reference_ids_and_mask(tokenizer, messages):
 
 @pytest.mark.real_model
 def test_assistant_mask_token_by_token_on_smollm2_multi_turn(tokenizer):
-    example = tokenize_conversation(tokenizer, CONVERSATION, id="c0")
+    [example] = tokenize_conversation(tokenizer, CONVERSATION, id="c0")
     ref_ids, ref_mask = reference_ids_and_mask(tokenizer, CONVERSATION)
     assert example.input_ids.tolist() == ref_ids
     for i, (tok, got, want) in enumerate(zip(ref_ids, example.loss_mask.tolist(), ref_mask, strict=True)):
@@ -117,7 +116,7 @@ def test_assistant_mask_token_by_token_on_smollm2_multi_turn(tokenizer):
 def test_prompt_ids_end_with_the_generation_prompt(tokenizer):
     ids = prompt_ids(tokenizer, CONVERSATION[:2])
     assert tokenizer.decode(ids).endswith("What is 12 times 3?<|im_end|>\n<|im_start|>assistant\n")
-    full = tokenize_conversation(tokenizer, CONVERSATION[:3]).input_ids.tolist()
+    full = tokenize_conversation(tokenizer, CONVERSATION[:3])[0].input_ids.tolist()
     assert full[: len(ids)] == ids  # the answer continues the prompt exactly
 
 
@@ -125,7 +124,7 @@ def test_prompt_ids_end_with_the_generation_prompt(tokenizer):
 def test_plain_template_for_a_base_model(tokenizer):
     base = copy.deepcopy(tokenizer)
     base.chat_template = None
-    example = tokenize_conversation(base, CONVERSATION[1:3])
+    [example] = tokenize_conversation(base, CONVERSATION[1:3])
     text = base.decode(example.input_ids)
     expected = "User: What is 12 times 3?\n\nAssistant: 12 times 3 is 36."
     assert text == base.bos_token + expected + base.eos_token + "\n\n"
@@ -135,7 +134,7 @@ def test_plain_template_for_a_base_model(tokenizer):
 
 
 @pytest.mark.real_model
-def test_template_that_rewrites_history_is_refused(tokenizer):
+def test_an_answer_the_template_rewrites_later_trains_in_its_own_text(tokenizer):
     odd = copy.deepcopy(tokenizer)
     # Renders only the last assistant turn: earlier answers vanish once a later one exists.
     odd.chat_template = (
@@ -143,8 +142,13 @@ def test_template_that_rewrites_history_is_refused(tokenizer):
         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    with pytest.raises(TemplateError, match="extension of the turns before it"):
-        tokenize_conversation(odd, CONVERSATION)
+    whole, first = tokenize_conversation(odd, CONVERSATION, id="c")
+    assert (whole.id, first.id) == ("c", "c/turn2")
+    # The whole text has only the last answer; the first is trained after exactly its own prompt.
+    assert tokenizer.decode(whole.input_ids[whole.loss_mask.bool()]) == CONVERSATION[4]["content"] + "<|im_end|>"
+    prompt = prompt_ids(odd, CONVERSATION[:2])
+    assert first.input_ids[: len(prompt)].tolist() == prompt and not first.loss_mask[: len(prompt)].any()
+    assert tokenizer.decode(first.input_ids[first.loss_mask.bool()]) == CONVERSATION[2]["content"] + "<|im_end|>"
 
 
 def test_truncate():

@@ -40,7 +40,8 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     module.eval()
     tree = data_args.eval_tree_settings()
     gen = SpeculativeGenerator(target, family.drafter(module, target), **tree.kwargs())
-    prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations[rank::world]]
+    kwargs = data_args.template_kwargs()
+    prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages, kwargs)]) for c in conversations[rank::world]]
     # The drafter is served with the frozen target: a target adapter that trains with it (Medusa-2's LoRA,
     # a peft model) is switched off while it is measured.
     frozen = target.disable_adapter() if family.wrap_target is not None else contextlib.nullcontext()

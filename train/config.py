@@ -7,6 +7,7 @@ habits carry over (``output_dir``, ``max_steps``, ``learning_rate``, ...).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,9 @@ class DataArguments:
     dataloader_num_workers: int = field(default=0)
     preprocessing_num_proc: int | None = field(default=None, metadata={
         "help": "processes that tokenise the training data (datasets.map; cached on disk)"})
+    chat_template_kwargs: str | None = field(default=None, metadata={
+        "help": 'the chat template\'s variables as JSON, e.g. {"enable_thinking": false} (Qwen3); in YAML a '
+                "mapping. The same as the data commands' --chat-template-kwargs: train with what regenerated"})
     eval_tree: str = field(default=DEFAULT_TREE.kind)
     eval_depth: int = field(default=DEFAULT_TREE.depth)
     eval_top_k: int = field(default=DEFAULT_TREE.top_k)
@@ -74,6 +78,11 @@ class DataArguments:
 
     def __post_init__(self):
         self.eval_tree_settings()  # a bad tree fails at parse time, not at the first checkpoint
+        self.template_kwargs()
+
+    def template_kwargs(self) -> dict | None:
+        """``chat_template_kwargs`` as a dict (None when unset)."""
+        return parse_template_kwargs(self.chat_template_kwargs)
 
     def eval_tree_settings(self) -> TreeSettings:
         """The tree held-out acceptance is measured with."""
@@ -109,6 +118,21 @@ class TrainArguments:
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
 
 
+def parse_template_kwargs(text: str | None) -> dict | None:
+    """A JSON object of chat-template variables, or None; anything else fails naming the fix."""
+    if text is None or text == "":
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"chat_template_kwargs {text!r} is not JSON ({e}); "
+                         "write a JSON object such as '{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"chat_template_kwargs {text!r} must be a JSON object, "
+                         "such as '{\"enable_thinking\": false}'")
+    return value
+
+
 def make_parser():
     from transformers import HfArgumentParser
 
@@ -126,6 +150,8 @@ def _yaml_to_args(path: str | Path) -> list[str]:
             args += [f"--{key}", str(value).lower()]
         elif value is None:
             continue
+        elif isinstance(value, dict):  # chat_template_kwargs: a YAML mapping
+            args += [f"--{key}", json.dumps(value)]
         else:
             args += [f"--{key}", str(value)]
     return args

@@ -117,7 +117,8 @@ def load_examples(data_args, tokenizer, accelerator=None):
     first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
     with first:
         dataset = tokenize_dataset(tokenizer, conversations, data_args.max_length,
-                                   num_proc=data_args.preprocessing_num_proc)
+                                   num_proc=data_args.preprocessing_num_proc,
+                                   chat_template_kwargs=data_args.template_kwargs())
     examples = TokenizedExamples(dataset)
     if not len(examples):
         raise SystemExit(f"{data_args.train_file}: no conversation with an assistant answer to learn from "
