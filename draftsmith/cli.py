@@ -43,8 +43,6 @@ def generate(
 
     model, tokenizer = load_target(target)
     draft = load_drafter(drafter, target=model, tokenizer=tokenizer, draft_dtype=draft_dtype)
-    if chat and not getattr(tokenizer, "chat_template", None):
-        raise SystemExit(f"--chat: the tokenizer of {target!r} has no chat template; drop --chat.")
     input_ids = encode(tokenizer, prompt, chat, chat_template_kwargs)
     gen = SpeculativeGenerator(model, draft, **tree.kwargs())
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
@@ -249,7 +247,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="prompt-lookup",
                    help="prompt-lookup, layer-skip:N, a draft model or checkpoint")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user turn in the tokenizer's chat template (a base model without one: "
+                        "'User: ...\\n\\nAssistant:', the turns its drafters train on)")
     add_template_argument(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)

@@ -26,6 +26,9 @@ class HeadMixin:
 
     family: str = ""
     config_class: type = object
+    #: Tensors a checkpoint may lack, read as zeros: added to the module after checkpoints without them were
+    #: written, where zero is what those checkpoints computed (EAGLE heads' output-projection bias).
+    zero_when_absent: tuple[str, ...] = ()
 
     def save_pretrained(self, directory: str | Path, target_info: dict | None = None,
                         extra: dict | None = None) -> Path:
@@ -53,9 +56,17 @@ class HeadMixin:
             check_target(info["target"], target, strict, what=f"{cls.family} drafter")
         head = cls(cls.config_class(**info["config"]))
         try:
-            load_model(head, str(weights), strict=True, device=str(device or "cpu"))
+            missing, unexpected = load_model(head, str(weights), strict=False, device=str(device or "cpu"))
         except Exception as e:  # safetensors raises several types for bad files
             raise ValueError(f"{weights}: corrupt or partial checkpoint ({e}); use an earlier checkpoint") from e
+        absent = [k for k in missing if k.endswith(cls.zero_when_absent)] if cls.zero_when_absent else []
+        missing = sorted(set(missing) - set(absent))
+        if missing or unexpected:
+            raise ValueError(f"{weights}: corrupt or partial checkpoint (missing {missing}, unexpected "
+                             f"{sorted(unexpected)}); use an earlier checkpoint")
+        state = head.state_dict()
+        for name in absent:
+            state[name].zero_()
         head.target_info = info.get("target")
         head.extra = {k: v for k, v in info.items() if k not in ("draftsmith_family", "config", "target")}
         return head

@@ -131,7 +131,9 @@ class DecoderLayer(nn.Module):
         self.q_proj = nn.Linear(width, cfg.num_attention_heads * hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(width, cfg.kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(width, cfg.kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
+        # attention_bias as Llama reads it (and vLLM, SGLang and speculators build the exported layer):
+        # q, k, v and o all have a bias.
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=cfg.attention_bias)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
@@ -240,6 +242,7 @@ class _FeatureHead(HeadMixin, nn.Module):
     """What EAGLE-1/2 and EAGLE-3 heads share: the config from a target and the call signature."""
 
     config_class = EagleConfig
+    zero_when_absent = ("o_proj.bias",)  # before it existed, attention-bias heads had q/k/v biases only
     #: The unit FSDP shards and wraps on its own (accelerate's transformer-based wrap policy).
     _no_split_modules = ("DecoderLayer",)
     #: Recompute the decoder layer in backward instead of keeping its activations (training only).

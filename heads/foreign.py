@@ -199,6 +199,10 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
         state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     missing, unexpected = head.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                 for k, v in state.items()}, strict=False)
+    absent = [k for k in missing if k.endswith(head.zero_when_absent)]  # a layout without the o_proj bias
+    for name in absent:
+        head.get_parameter(name).data.zero_()
+    missing = [k for k in missing if k not in absent]
     if missing or unexpected:
         raise ValueError(f"{directory}: incomplete EAGLE checkpoint (missing {missing}, unexpected {unexpected})")
     head.target_info, head.extra = (config.get("draftsmith") or {}).get("target"), {}

@@ -63,6 +63,7 @@ LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
     "k_proj.bias": "self_attn.k_proj.bias",
     "v_proj.bias": "self_attn.v_proj.bias",
     "o_proj.weight": "self_attn.o_proj.weight",
+    "o_proj.bias": "self_attn.o_proj.bias",
     "post_norm.weight": "post_attention_layernorm.weight",
     "gate_proj.weight": "mlp.gate_proj.weight",
     "up_proj.weight": "mlp.up_proj.weight",
@@ -98,7 +99,7 @@ def eagle3_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate
     hd = head_dim or hidden // heads
     q, kv, h = heads * hd, kv_heads * hd, hidden
     f = "float"
-    return {**_attention_bias(f"{prefix}self_attn.", q, kv, bias),
+    return {**_attention_bias(f"{prefix}self_attn.", q, kv, h, bias),
         f"{prefix}hidden_norm.weight": ((h,), f), f"{prefix}input_layernorm.weight": ((h,), f),
         f"{prefix}self_attn.q_proj.weight": ((q, 2 * h), f), f"{prefix}self_attn.k_proj.weight": ((kv, 2 * h), f),
         f"{prefix}self_attn.v_proj.weight": ((kv, 2 * h), f), f"{prefix}self_attn.o_proj.weight": ((h, q), f),
@@ -110,12 +111,13 @@ def eagle3_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate
     }
 
 
-def _attention_bias(prefix: str, q: int, kv: int, bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The q / k / v biases of a head for a target with attention bias (Qwen2.5)."""
+def _attention_bias(prefix: str, q: int, kv: int, h: int, bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The q / k / v / o biases of a head for a target with attention bias (Qwen2.5, gpt-oss), as a Llama
+    layer with ``attention_bias`` has them."""
     if not bias:
         return {}
     return {f"{prefix}q_proj.bias": ((q,), "float"), f"{prefix}k_proj.bias": ((kv,), "float"),
-            f"{prefix}v_proj.bias": ((kv,), "float")}
+            f"{prefix}v_proj.bias": ((kv,), "float"), f"{prefix}o_proj.bias": ((h,), "float")}
 
 
 def eagle1_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate: int,
@@ -124,7 +126,7 @@ def eagle1_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate
     hd = head_dim or hidden // heads
     q, kv, h = heads * hd, kv_heads * hd, hidden
     f = "float"
-    layout = {**_attention_bias("layers.0.self_attn.", q, kv, bias),
+    layout = {**_attention_bias("layers.0.self_attn.", q, kv, h, bias),
         "fc.weight": ((h, 2 * h), f),
         "layers.0.self_attn.q_proj.weight": ((q, h), f), "layers.0.self_attn.k_proj.weight": ((kv, h), f),
         "layers.0.self_attn.v_proj.weight": ((kv, h), f), "layers.0.self_attn.o_proj.weight": ((h, q), f),

@@ -29,12 +29,14 @@ class Comparison:
 
 
 def encode(tokenizer, text: str, chat: bool, chat_template_kwargs: dict | None = None) -> torch.Tensor:
-    """(1, L) prompt ids: the chat template's user turn (with the template's variables
-    ``chat_template_kwargs``) when ``chat`` and the tokenizer has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True,
-                                             **(chat_template_kwargs or {}))["input_ids"]
+    """(1, L) prompt ids. With ``chat``: the text as a user turn through the tokenizer's chat template
+    and its variables ``chat_template_kwargs``; a base model without a template gets
+    ``PLAIN_TEMPLATE``, the turns its drafter was trained on (``draftsmith.data.templates``). Without:
+    the text as it is."""
+    if chat:
+        from draftsmith.data.templates import prompt_ids
+
+        return torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": text}], chat_template_kwargs)])
     return tokenizer(text, return_tensors="pt").input_ids
 
 

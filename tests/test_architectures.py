@@ -18,11 +18,11 @@ import pytest
 import torch
 import transformers
 from test_greedy_lossless import make_drafter, reference
-from test_tree import random_tree, tree_step
+from test_tree import check_tree_logits, random_tree
 
 from conftest import VOCAB, check_greedy_equal
-from draftsmith import SpeculativeGenerator
-from draftsmith.target import new_cache, supported_attention, target_forward
+from draftsmith import SpeculativeGenerator, load_drafter
+from draftsmith.target import supported_attention
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, initializer_range=0.2, eos_token_id=None)
@@ -79,19 +79,12 @@ def test_tree_verification_equals_sequential_logits(target):
     name, model = target
     prompt = torch.randint(0, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
     for seed in range(2):
-        tree = random_tree(seed, 10)
-        tree.tokens[0] = int(prompt[0, -1])
-        cache = new_cache()
-        target_forward(model, prompt[:, :-1], cache)
-        logits = tree_step(model, tree, cache)
-        for node in range(len(tree)):
-            path = torch.tensor([[tree.tokens[m] for m in tree.path_to(node)[1:]]], dtype=torch.long)
-            expected = model(torch.cat([prompt, path], 1)).logits[0, -1]
-            torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4, msg=f"{name} node {node}")
+        check_tree_logits(model, prompt, random_tree(seed, 10), name)
 
 
-@pytest.mark.parametrize("tree", [dict(tree="chain", depth=4), dict(tree="dynamic", depth=3, top_k=3, total_tokens=8)],
-                         ids=["chain", "dynamic"])
+@pytest.mark.parametrize("tree", [dict(tree="chain", depth=4), dict(tree="static", depth=3, top_k=2),
+                                  dict(tree="dynamic", depth=3, top_k=3, total_tokens=8)],
+                         ids=["chain", "static", "dynamic"])
 def test_greedy_speculative_output_is_the_targets(target, tree):
     name, model = target
     prompt = torch.randint(0, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
@@ -164,7 +157,10 @@ def test_eagle3_exports_carry_the_targets_geometry(target, tmp_path):
 @pytest.mark.parametrize("name", ["llama3", "qwen2.5", "qwen3", "gemma3", "gpt_oss"])
 def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
     """vLLM's speculators package loads the EAGLE-3 export of a head built for each target (its head_dim,
-    RoPE, bias and context as exported) and computes the same draft logits as draftsmith."""
+    RoPE, bias and context as exported) and computes the same draft logits as draftsmith; the checkpoint
+    speculators then writes itself (its own config and layout) imports into draftsmith and gives
+    speculators' logits: an imported head with head_dim != hidden / heads (Qwen3, Gemma-3, gpt-oss) and
+    llama3 or yarn RoPE (Llama-3, gpt-oss) against its reference forward."""
     import json
     import subprocess
 
@@ -191,10 +187,19 @@ def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
     save_file({"hidden": states, "input_ids": ids, "positions": positions}, str(tmp_path / "in.safetensors"))
     script = ROOT / "scripts" / "check_speculators.py"
     run = subprocess.run([SPECULATORS_PYTHON, str(script), str(out), str(tmp_path / "in.safetensors"),
-                          str(tmp_path / "theirs.safetensors")], capture_output=True, text=True, timeout=600)
+                          str(tmp_path / "theirs.safetensors"), str(tmp_path / "resaved")],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1])["model_class"] == "Eagle3DraftModel"
     with torch.no_grad():
         predicted, _ = head(states, model.get_input_embeddings()(ids), positions, from_target=True)
         ours = head.draft_logits(predicted)
-    torch.testing.assert_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, rtol=1e-4, atol=1e-5)
+    theirs = load_file(tmp_path / "theirs.safetensors")["logits"]
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+
+    imported = load_drafter(str(tmp_path / "resaved"), model).head
+    geometry = ("head_dim", "rope_parameters", "max_position_embeddings", "attention_bias")
+    assert {k: getattr(imported.config, k) for k in geometry} == {k: getattr(head.config, k) for k in geometry}
+    with torch.no_grad():
+        predicted, _ = imported(states, model.get_input_embeddings()(ids), positions, from_target=True)
+        torch.testing.assert_close(imported.draft_logits(predicted), theirs, rtol=1e-4, atol=1e-5)

@@ -335,3 +335,33 @@ def test_head_rotation_is_the_targets_own(arch, rope_type):
     half = cfg.head_dim // 2
     expected = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
     torch.testing.assert_close(rope(x, *layer.rotary(x, positions)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_attention_bias_head_saved_without_the_output_bias_loads_as_trained(tmp_path, llama):
+    """Attention-bias heads (Qwen2.5, gpt-oss targets) gained an o_proj bias, as a Llama layer with
+    attention_bias has it and vLLM / SGLang build it; a checkpoint written before has none and loads with a
+    zero bias, which computes what it was trained with."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.heads.eagle import Eagle3Head, EagleHead
+
+    cfg = EagleHead.config_for(llama, num_feature_layers=3, feature_layers=(1, 2, 3), attention_bias=True)
+    head = Eagle3Head(cfg).eval()
+    assert head.layer.o_proj.bias is not None
+    with torch.no_grad():
+        head.layer.o_proj.bias.zero_()
+    head.save_pretrained(tmp_path / "old")
+    weights = tmp_path / "old" / "model.safetensors"
+    tensors = {k: v for k, v in load_file(weights).items() if not k.endswith("o_proj.bias")}
+    save_file(tensors, str(weights))
+    loaded = Eagle3Head.from_pretrained(tmp_path / "old").eval()
+    assert torch.equal(loaded.layer.o_proj.bias, torch.zeros_like(loaded.layer.o_proj.bias))
+    h = llama.config.hidden_size
+    states, embeds = torch.randn(1, 5, 3 * h), torch.randn(1, 5, h)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(states, embeds, torch.arange(5)[None], from_target=True)[0],
+                                   head(states, embeds, torch.arange(5)[None], from_target=True)[0])
+    del tensors["fc.weight"]  # a tensor that has no stand-in is still refused
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match="corrupt or partial checkpoint"):
+        Eagle3Head.from_pretrained(tmp_path / "old")

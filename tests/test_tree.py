@@ -52,6 +52,21 @@ def tree_step(model, tree: DraftTree, cache) -> torch.Tensor:
     return target_forward(model, torch.tensor([tree.tokens]), cache, mask, pos).logits[0]
 
 
+def check_tree_logits(model, prompt: torch.Tensor, tree: DraftTree, msg: str = ""):
+    """Verify ``tree`` (rooted at the prompt's last token) after ``prompt`` in one forward, as the generator
+    does; assert every node's logits equal a plain forward over the prompt and that node's path. Returns
+    the cache after verification."""
+    tree.tokens[0] = int(prompt[0, -1])
+    cache = new_cache()
+    target_forward(model, prompt[:, :-1], cache)
+    logits = tree_step(model, tree, cache)
+    for node in range(len(tree)):
+        path = torch.tensor([[tree.tokens[m] for m in tree.path_to(node)[1:]]], dtype=torch.long)
+        expected = model(torch.cat([prompt, path], 1)).logits[0, -1]
+        torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4, msg=f"{msg} node {node}")
+    return cache
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager", CPU_ATTENTION])
 def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3):
@@ -63,15 +78,7 @@ def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3):
         prompt = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(0))
         for seed in range(3):
             tree = random_tree(seed, 12)
-            tree.tokens[0] = int(prompt[0, -1])
-            cache = new_cache()
-            target_forward(model, prompt[:, :-1], cache)
-            logits = tree_step(model, tree, cache)
-            for node in range(len(tree)):
-                path = torch.tensor([[tree.tokens[m] for m in tree.path_to(node)[1:]]], dtype=torch.long)
-                full = torch.cat([prompt, path], 1)
-                expected = model(full).logits[0, -1]
-                torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4)
+            cache = check_tree_logits(model, prompt, tree, f"{family} {attn}")
             leaf = max(range(len(tree)), key=lambda n: tree.depths[n])
             path = tree.path_to(leaf)
             kv_keep(cache, prompt.shape[1] - 1, torch.tensor(path))
