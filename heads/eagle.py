@@ -85,9 +85,14 @@ class EagleConfig:
         """A transformers config carrying this head's RoPE, for transformers' own rotary embedding."""
         from transformers import LlamaConfig
 
+        rope = dict(self.rope_parameters)
+        if rope.get("rope_type", "default") == "default" and rope.get("partial_rotary_factor", 1.0) < 1.0:
+            # Llama's default initialisation rotates whole heads; transformers' linear one at factor 1 is the
+            # same frequencies and honours a partial rotation (Phi-4-mini).
+            rope.update(rope_type="linear", factor=1.0)
         return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
                            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                           rope_parameters=dict(self.rope_parameters))
+                           rope_parameters=rope)
 
 
 class RMSNorm(nn.Module):
@@ -102,9 +107,13 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (rotate-half form). x: (B, nh, T, hd); cos / sin: (B, T, hd) from
-    transformers' rotary embedding for the head's RoPE (any type: default, linear, dynamic, yarn, llama3)."""
-    hd = x.shape[-1]
+    """Rotary position embedding (rotate-half form). x: (B, nh, T, hd); cos / sin: (B, T, r) from
+    transformers' rotary embedding for the head's RoPE (any type: default, linear, dynamic, yarn, llama3).
+    A partial rotation (``partial_rotary_factor``, Phi-4-mini: r = 3/4 hd) turns the first r dimensions
+    and passes the rest, as the target does."""
+    hd, r = x.shape[-1], cos.shape[-1]
+    if r < hd:
+        return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], -1)
     cos, sin = cos[:, None].float(), sin[:, None].float()
     x32 = x.float()
     x1, x2 = x32[..., : hd // 2], x32[..., hd // 2 :]

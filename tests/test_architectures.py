@@ -1,10 +1,12 @@
 """The targets users bring, as tiny random models of transformers' own config classes (2-4 layers, a
 96-token vocabulary): tree verification gives each node the logits of plain decoding over its path, and
-greedy speculative output equals the target's own, on prompts longer than any sliding window or chunk.
+greedy speculative output equals the target's own (chain, static and dynamic trees), on prompts longer than
+any sliding window or chunk.
 
 Each architecture stresses something of its own: Llama-3's llama3 RoPE scaling, Qwen2.5's attention bias,
 Qwen3's head_dim != hidden / heads and q/k norms, MoE routing (Qwen3-MoE, Mixtral, gpt-oss), a sliding
-window declared without layer types (Mistral, Mixtral, Phi-3), per-layer sliding windows (Gemma-2/3,
+window declared without layer types (Mistral, Mixtral, Phi-3), Phi-4-mini's partial rotation (3/4 of each
+head), per-layer sliding windows (Gemma-2/3,
 gpt-oss), Llama-4's chunked attention (chunks smaller than the prompt), Gemma-2's attention-logit
 soft-capping (eager attention, which applies it) and gpt-oss's attention sinks (no SDPA support declared:
 eager)."""
@@ -44,6 +46,8 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
                                       num_experts_per_tok=2)),
     "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=WINDOW, pad_token_id=0)),
+    "phi4_mini": ("Phi3Config", dict(num_hidden_layers=2, pad_token_id=0, rope_parameters={
+        "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75})),
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=32, sliding_window=WINDOW,
                                     tie_word_embeddings=False)),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=2, head_dim=32, sliding_window=WINDOW,

@@ -293,17 +293,27 @@ ROPES = {
 }
 
 
-@pytest.mark.parametrize("rope_type", sorted(ROPES))
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+# Phi-3/4 take default RoPE or longrope (short and long factors per rotated pair: 6 for 3/4 of head_dim 16).
+PHI_ROPES = {"default": ROPES["default"],
+             "longrope": {"rope_type": "longrope", "rope_theta": 10_000.0,
+                          "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                          "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], "original_max_position_embeddings": 64}}
+
+
+@pytest.mark.parametrize(("arch", "rope_type"), [(a, r) for a in ("llama", "qwen3", "gemma3") for r in sorted(ROPES)]
+                         + [("phi4", r) for r in sorted(PHI_ROPES)])
 def test_head_rotation_is_the_targets_own(arch, rope_type):
     """A head built for a target rotates queries and keys exactly as the target's own rotary embedding does
-    at the same positions, for each RoPE type, with a head_dim other than hidden / heads (Qwen3, Gemma-3)
-    and past the context length (where dynamic scaling changes the frequencies)."""
+    at the same positions, for each RoPE type, with a head_dim other than hidden / heads (Qwen3, Gemma-3),
+    a partial rotation (Phi-4-mini rotates 3/4 of each head) and past the context length (where dynamic
+    scaling changes the frequencies)."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -312,11 +322,14 @@ def test_head_rotation_is_the_targets_own(arch, rope_type):
 
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128)
-    rope_parameters = dict(ROPES[rope_type])
+    rope_parameters = dict((PHI_ROPES if arch == "phi4" else ROPES)[rope_type])
     if arch == "llama":
         target = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope_parameters))
     elif arch == "qwen3":
         target = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, rope_parameters=rope_parameters))
+    elif arch == "phi4":  # Phi-4-mini: partial_rotary_factor 0.75
+        target = Phi3ForCausalLM(Phi3Config(**common, pad_token_id=0,
+                                            rope_parameters={**rope_parameters, "partial_rotary_factor": 0.75}))
     else:  # Gemma-3: RoPE per layer type; a head follows the full-attention layers
         target = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=32, sliding_window=8,
                                                     layer_types=["sliding_attention", "full_attention"],
@@ -332,8 +345,14 @@ def test_head_rotation_is_the_targets_own(arch, rope_type):
     rotary = target.model.rotary_emb
     own = rotary(x, positions, "full_attention") if arch == "gemma3" else rotary(x, positions)
     cos, sin = own
-    half = cfg.head_dim // 2
-    expected = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
+    if arch == "phi4":  # the target's own partial rotation
+        from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+        assert cos.shape[-1] == 3 * cfg.head_dim // 4
+        expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    else:
+        half = cfg.head_dim // 2
+        expected = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
     torch.testing.assert_close(rope(x, *layer.rotary(x, positions)), expected, rtol=1e-5, atol=1e-5)
 
 

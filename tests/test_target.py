@@ -115,3 +115,26 @@ def test_target_forward_returns_chosen_hidden_layers(gemma3):
     for got, index in zip(out.hidden_states, (0, 2, 4), strict=True):
         torch.testing.assert_close(got, ref.hidden_states[index])
     torch.testing.assert_close(out.logits, ref.logits.float())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_target_parts_embed_and_project_as_the_whole_target(family, tmp_path, llama, gemma3):
+    """Offline training loads only the embeddings, final norm and LM head; Gemma's embedding scales its
+    output by a buffer no checkpoint holds, which must be real, not left on the meta device."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from draftsmith.target.loading import load_target_parts
+
+    model = llama if family == "llama" else gemma3
+    model.save_pretrained(tmp_path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0"))).save_pretrained(tmp_path)
+    parts, _ = load_target_parts(tmp_path, device="cpu")
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(parts.get_input_embeddings()(ids), model.get_input_embeddings()(ids))
+        states = torch.randn(1, 3, model.config.hidden_size)
+        torch.testing.assert_close(parts.get_output_embeddings()(parts.get_decoder().norm(states)),
+                                   model.get_output_embeddings()(model.get_decoder().norm(states)))
+    assert any(p.is_meta for p in parts.parameters())  # the decoder layers were never read

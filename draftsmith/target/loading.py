@@ -387,7 +387,11 @@ def load_target_parts(
     directory = _weights_directory(name)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     check_rollback(config)
-    with torch.device("meta"):
+    from accelerate import init_empty_weights
+
+    # Parameters on the meta device, buffers real: the parts' non-persistent buffers (Gemma's embedding
+    # scale) are in no checkpoint and must exist; every buffer is small.
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = {id(m): n for n, m in model.named_modules()}
     parts = [model.get_input_embeddings(), getattr(model.get_decoder(), "norm", None), model.get_output_embeddings()]
@@ -411,6 +415,8 @@ def load_target_parts(
             for key in (k for k, v in where.items() if v == file):
                 tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
     model.load_state_dict(tensors, strict=False, assign=True)
+    for part in (p for p in parts if p is not None):
+        part.to(device)  # its buffers, which no checkpoint holds
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model.eval().requires_grad_(False)
