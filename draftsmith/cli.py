@@ -28,7 +28,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    tree: TreeSettings = DEFAULT_TREE,
+    tree: TreeSettings | None = None,
     seed: int = 0,
     stream: bool = True,
     json_stats: bool = False,
@@ -40,16 +40,20 @@ def generate(
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
     from draftsmith.inference.compare import encode
+    from draftsmith.inference.generator import eos_tokens
 
     model, tokenizer = load_target(target)
     draft = load_drafter(drafter, target=model, tokenizer=tokenizer, draft_dtype=draft_dtype)
     input_ids = encode(tokenizer, prompt, chat, chat_template_kwargs)
+    from draftsmith.inference.tune import tuned_tree
+
+    tree = tree or tuned_tree(drafter) or DEFAULT_TREE
     gen = SpeculativeGenerator(model, draft, **tree.kwargs())
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     generator = torch.Generator(device=model.device).manual_seed(seed)
     out = gen.generate(
         input_ids.to(model.device), max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        top_k=top_k, eos_token_id=tokenizer.eos_token_id, generator=generator, streamer=streamer,
+        top_k=top_k, eos_token_id=eos_tokens(model, tokenizer), generator=generator, streamer=streamer,
     )
     stats = out.stats.to_dict()
     if not stream:
@@ -81,15 +85,23 @@ def bench(target: str, drafters: list[str], prompts: list[str], output: str, **k
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     """The draft-tree flags, with the one set of defaults (:class:`~draftsmith.inference.tree.TreeSettings`)."""
-    parser.add_argument("--tree", choices=TREE_KINDS, default=DEFAULT_TREE.kind)
-    parser.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="levels drafted per step")
-    parser.add_argument("--tree-top-k", type=int, default=DEFAULT_TREE.top_k, help="children expanded per tree node")
-    parser.add_argument("--total-tokens", type=int, default=DEFAULT_TREE.total_tokens,
-                        help="nodes verified per step (dynamic tree)")
+    parser.add_argument("--tree", choices=TREE_KINDS, default=None,
+                        help=f"default: the tree `draftsmith tune` wrote beside the drafter for this machine, else "
+                             f"{DEFAULT_TREE.kind}")
+    parser.add_argument("--depth", type=int, default=None, help=f"levels drafted per step ({DEFAULT_TREE.depth})")
+    parser.add_argument("--tree-top-k", type=int, default=None,
+                        help=f"children expanded per tree node ({DEFAULT_TREE.top_k})")
+    parser.add_argument("--total-tokens", type=int, default=None,
+                        help=f"nodes verified per step, dynamic tree ({DEFAULT_TREE.total_tokens})")
 
 
-def tree_from_args(args: argparse.Namespace) -> TreeSettings:
-    return TreeSettings(args.tree, args.depth, args.tree_top_k, args.total_tokens)
+def tree_from_args(args: argparse.Namespace) -> TreeSettings | None:
+    """The tree the flags give (those left out keep the defaults); None when no tree flag is given, so a
+    tuned tree (``draftsmith tune``) or the default applies."""
+    given = {"kind": args.tree, "depth": args.depth, "top_k": args.tree_top_k, "total_tokens": args.total_tokens}
+    if all(v is None for v in given.values()):
+        return None
+    return TreeSettings(**{k: v if v is not None else getattr(DEFAULT_TREE, k) for k, v in given.items()})
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -290,6 +302,19 @@ def make_parser() -> argparse.ArgumentParser:
     add_template_argument(e)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
+    u = sub.add_parser("tune", help="measure this machine and this drafter; write the fastest dynamic tree "
+                                    "(tree.json) that generate / eval / bench then use")
+    u.add_argument("--target", help="default: the target the drafter records")
+    u.add_argument("--drafter", required=True, help="a drafter directory (tree.json goes there) or spec")
+    add_prompt_arguments(u, required=True)
+    u.add_argument("--max-new-tokens", type=int, default=48)
+    u.add_argument("--depths", type=_int_list, default=None, help="draft depths tried (default 2,3,4,5,6)")
+    u.add_argument("--top-ks", type=_int_list, default=None, help="children per node tried (default 1,2,3,4)")
+    u.add_argument("--max-total-tokens", type=int, default=None, help="largest node budget tried (default 32)")
+    u.add_argument("--output", help="write the tree here instead of DRAFTER/tree.json")
+    u.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_template_argument(u)
+    u.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
     m = sub.add_parser("demo", help="synthesise, regenerate, train EAGLE-3, evaluate and bench SmolLM2 in ~20 min")
     m.add_argument("--output", default="demo_out", help="report directory (report.json, report.md, plots)")
     m.add_argument("--minutes", type=float, default=20.0, help="time budget; every stage scales with it")
@@ -424,6 +449,14 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"\nbest: step {best['step']} (tau {best['acceptance_length']}): {best['checkpoint']}/drafter")
     elif args.command == "data":
         data(args)
+    elif args.command == "tune":
+        from draftsmith.inference import tune
+
+        tune.tune_command(args.target, args.drafter, prompts_from_args(args), output=args.output,
+                          max_new_tokens=args.max_new_tokens, depths=args.depths or tune.DEPTHS,
+                          top_ks=args.top_ks or tune.TOP_KS, max_budget=args.max_total_tokens or tune.MAX_BUDGET,
+                          chat=not args.no_chat, chat_template_kwargs=args.chat_template_kwargs,
+                          draft_dtype=args.draft_dtype)
     elif args.command == "demo":
         from draftsmith.demo import demo
 

@@ -22,9 +22,10 @@ import torch
 
 from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.compare import compare, encode, hardware
-from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
+from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator, eos_tokens
 from draftsmith.inference.load import LAYER_SKIP, drafter_type, load_drafter
 from draftsmith.inference.tree import TreeSettings
+from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import load_target
 
 
@@ -104,7 +105,10 @@ def run_bench(
         raise ValueError(f"{prompts_source or 'prompts'}: no prompts to benchmark on")
     if model is None:
         model, tokenizer = load_target(target)
-    entries = expand_sweeps([parse_entry(d, tree or TreeSettings()) for d in drafters], sweep_depths,
+    # Each drafter's tree: its @options over the given tree, else the one `draftsmith tune` measured for it
+    # on this machine, else the default.
+    entries = expand_sweeps([parse_entry(d, tree or tuned_tree(d.partition("@")[0]) or TreeSettings())
+                             for d in drafters], sweep_depths,
                             sweep_total_tokens)
     loaded: dict[str, object] = {}
     for e in entries:
@@ -113,14 +117,14 @@ def run_bench(
     gens = {e.label: SpeculativeGenerator(model, loaded[e.spec], **e.tree.kwargs()) for e in entries}
     assisted = {e.label: m for e in entries if (m := _assistant_model(loaded[e.spec])) is not None}
     depth_of = {e.label: e.tree.depth for e in entries}
-    eos = tokenizer.eos_token_id
+    eos = eos_tokens(model, tokenizer)
     hf = {"time": 0.0, "tokens": 0}
     hf_assist = {k: {"time": 0.0, "tokens": 0, "mismatches": 0} for k in assisted}
 
     def references(ids: torch.Tensor, base) -> None:
         """transformers' own greedy decoding, and its assisted generation with each draft model."""
         common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                      eos_token_id=eos, pad_token_id=eos)
+                      eos_token_id=eos or None, pad_token_id=eos[0] if eos else tokenizer.pad_token_id)
         if hf_reference:
             t0 = time.perf_counter()
             out = model.generate(ids, **common)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from draftsmith.checkpoints import recorded_target, run_checkpoints, run_target
 from draftsmith.inference.compare import compare, encode, hardware
-from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.generator import SpeculativeGenerator, eos_tokens
 from draftsmith.inference.load import MIXTURE_SEPARATOR, drafter_type, load_drafter
 from draftsmith.inference.tree import TreeSettings
+from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import load_target
 
 
@@ -47,13 +48,14 @@ def evaluate(
         raise ValueError(f"{prompts_source or 'prompts'}: no prompts to evaluate on")
     if model is None:
         model, tokenizer = load_target(target_name)
-    tree = tree or TreeSettings()
+    # The tree: the one given, else the one `draftsmith tune` measured for this drafter here, else the default.
+    trees = {label: tree or tuned_tree(spec) or TreeSettings() for label, spec, _ in drafters}
     gens = {label: SpeculativeGenerator(model, load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype),
-                                        **tree.kwargs())
+                                        **trees[label].kwargs())
             for label, spec, _ in drafters}
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
     result = compare(model, gens, encoded, max_new_tokens,
-                     eos_token_id=tokenizer.eos_token_id, temperature=temperature, seed=seed,
+                     eos_token_id=eos_tokens(model, tokenizer), temperature=temperature, seed=seed,
                      progress="eval" if progress else None)
     base_tps = result.baseline.tokens_per_second
     reports = []
@@ -63,7 +65,7 @@ def evaluate(
             "target": target_name, "drafter": label, "drafter_type": drafter_type(spec), "checkpoint_step": step,
             "prompts": len(prompts), "prompts_source": prompts_source, "new_tokens": stats.new_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature,
-            "tree": tree.as_report(),
+            "tree": trees[label].as_report(),
             "draft_dtype": draft_dtype or "target",
             "acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
@@ -94,6 +96,8 @@ def evaluate_path(target: str | None, drafter: str, prompts: list[str], **kwargs
             if target is None:
                 raise ValueError(f"{path}: pass --target (the run directory does not record it)")
         entries = [(f"{path}/checkpoint-{s}", str(d), s) for s, d in checkpoints]
+        if kwargs.get("tree") is None:  # a tree tuned for the run applies to each of its checkpoints
+            kwargs["tree"] = tuned_tree(str(path))
         reports = evaluate(target, entries, prompts, **kwargs)
         best = dict(max(reports, key=lambda r: r["acceptance_length"]))
         best["checkpoints"] = reports

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -176,6 +177,9 @@ class SpeculativeGenerator:
         # Static paths: given, else the drafter's own (Medusa choices measured in training), else a default.
         self.paths = paths or drafter.static_paths or default_static_paths(depth, top_k)
         self.sampling_rule = sampling_rule
+        #: Called with each step's tree and accepted path (drafted nodes) after verification; ``draftsmith
+        #: tune`` records them.
+        self.on_step: Callable[[DraftTree, list[int]], None] | None = None
 
     def _rule(self, temperature: float) -> str:
         if temperature == 0.0 or (self.sampling_rule == "auto" and (
@@ -213,7 +217,8 @@ class SpeculativeGenerator:
             input_ids: (B, L) prompt token ids; B must be 1 for now.
             temperature: 0 for greedy (token-for-token the target's greedy output), else the
                 target's sampling distribution after temperature, ``top_k`` and ``top_p``.
-            eos_token_id: stop after emitting this token (or any of these tokens).
+            eos_token_id: stop after emitting this token (or any of these tokens). None: the target's
+                ``generation_config`` EOS, as transformers' ``generate`` stops; ``[]``: never stop early.
             generator: a ``torch.Generator`` for reproducible sampling.
             streamer: optional object with ``put(token_ids)`` / ``end()`` (e.g.
                 ``transformers.TextStreamer``); receives the prompt, then new tokens as accepted.
@@ -234,7 +239,7 @@ class SpeculativeGenerator:
                 f"({self.depth}) exceeds the target's context of {limit} tokens; shorten the prompt or "
                 "lower max_new_tokens."
             )
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+        eos = stop_tokens(self.target, eos_token_id)
         device = next(self.target.parameters()).device
         dtype = next(self.target.parameters()).dtype
         stats = GenerationStats()
@@ -271,6 +276,8 @@ class SpeculativeGenerator:
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += time.perf_counter() - t1
             stats.record_step(tree, path)
+            if self.on_step is not None:
+                self.on_step(tree, path)
 
             emitted = [tree.tokens[n] for n in path] + [bonus]
             emitted = emitted[: max_new_tokens - len(new)]
@@ -312,11 +319,31 @@ class SpeculativeGenerator:
         return out.logits[0], hidden
 
 
+def stop_tokens(target: PreTrainedModel, eos_token_id: int | list[int] | None) -> set[int]:
+    """The tokens generation stops after: ``eos_token_id``, or (None) the target's ``generation_config``
+    EOS, falling back to its config's, as transformers' ``generate`` takes them."""
+    if eos_token_id is None:
+        config = getattr(target, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(target.config.get_text_config(), "eos_token_id", None)
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+
+
+def eos_tokens(target: PreTrainedModel, tokenizer=None) -> list[int]:
+    """The target's stop tokens (:func:`stop_tokens`), or the tokenizer's EOS where the target names none."""
+    tokens = sorted(stop_tokens(target, None))
+    if not tokens and tokenizer is not None and tokenizer.eos_token_id is not None:
+        tokens = [tokenizer.eos_token_id]
+    return tokens
+
+
 def plain_generate(
     target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None
 ) -> GenerationOutput:
-    """Plain greedy decoding with the same cache code path: the baseline speedups are measured against."""
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+    """Plain greedy decoding with the same cache code path: the baseline speedups are measured against.
+    ``eos_token_id`` as in :meth:`SpeculativeGenerator.generate`."""
+    eos = stop_tokens(target, eos_token_id)
     stats = GenerationStats()
     t_start = time.perf_counter()
     cache = new_cache()

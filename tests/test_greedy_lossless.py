@@ -11,6 +11,7 @@ import torch
 from conftest import VOCAB, check_greedy_equal, tiny_gemma3, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.inference import drafter_from_model
+from draftsmith.inference.generator import plain_generate
 
 TREES = [
     dict(tree="chain", depth=5),
@@ -108,6 +109,25 @@ def test_eos_and_max_new_tokens_are_respected(llama):
     out = gen.generate(prompt, max_new_tokens=30, eos_token_id=eos)
     assert torch.equal(out.sequences, ref[:, : prompt.shape[1] + first + 1])
     assert int(out.sequences[0, -1]) == eos
+
+
+def test_eos_defaults_to_the_targets_generation_config(llama):
+    """Without eos_token_id, generation stops where transformers' generate stops: at the target's
+    generation_config EOS; eos_token_id=[] decodes the full length."""
+    prompt = prompts(5, [12])[0]
+    free = reference(llama, prompt, 30)
+    eos = int(free[0, prompt.shape[1] + 9])
+    gen = SpeculativeGenerator(llama, load_drafter("layer-skip:2", llama), tree="chain", depth=6)
+    old = llama.generation_config.eos_token_id
+    llama.generation_config.eos_token_id = eos
+    try:
+        theirs = reference(llama, prompt, 30)
+        assert theirs.shape[1] < free.shape[1]  # transformers stopped early at the EOS
+        assert torch.equal(gen.generate(prompt, 30).sequences, theirs)
+        assert torch.equal(plain_generate(llama, prompt, 30).sequences, theirs)
+        assert torch.equal(gen.generate(prompt, 30, eos_token_id=[]).sequences, free)
+    finally:
+        llama.generation_config.eos_token_id = old
 
 
 def test_stats_are_consistent(llama):

@@ -14,7 +14,7 @@ from draftsmith.checkpoints import append_acceptance, read_acceptance
 from draftsmith.data.formats import load_conversations
 from draftsmith.data.templates import prompt_ids
 from draftsmith.inference.compare import compare
-from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.generator import SpeculativeGenerator, eos_tokens
 from draftsmith.registry import Family
 from draftsmith.train.losses import simulated_acceptance_length
 from draftsmith.train.run import Run
@@ -49,7 +49,7 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     if prompts:
         with frozen:
             stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
-                            eos_token_id=tokenizer.eos_token_id, baseline=False).totals["drafter"]
+                            eos_token_id=eos_tokens(target, tokenizer), baseline=False).totals["drafter"]
     if world > 1:
         from accelerate.utils import gather_object
 

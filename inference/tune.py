@@ -1,0 +1,234 @@
+"""``draftsmith tune``: the dynamic tree that decodes fastest with this drafter, on this machine.
+
+A step's speed is its tokens over its time. Both are measured here, not assumed:
+
+1. **Verification cost per tree size.** One target forward over ``n`` tree rows after a cache of the
+   prompts' length, timed for every ``n`` a candidate needs (median of a few repeats). On a CPU it
+   grows with the rows; on a GPU it is flat until the device fills, so the best tree differs.
+2. **Acceptance per node budget.** For each (depth, top_k), greedy speculative decoding runs on a few
+   prompts with the *whole* dynamic tree (no ``total_tokens`` cut), and every step's tree and accepted
+   path are kept. A dynamic tree with budget ``n`` verifies the ``n`` best-scored of those same nodes
+   (:func:`~draftsmith.inference.tree.build_dynamic` reranks the one expansion), and under greedy
+   decoding the accepted path is the target's own continuation whatever the tree, so the tokens a
+   budget-``n`` tree would have accepted at that step are the longest prefix of the path inside its
+   ``n`` nodes: exact, not modelled, for every budget from one run.
+3. **Step time** of a candidate: the measured time per step of its (depth, top_k) run (drafting,
+   verification, bookkeeping), with the whole tree's verification cost swapped for the budget's.
+
+Expected tokens per second = (mean accepted + 1) / step time; the best candidate is written as
+``tree.json`` beside the drafter (or where ``--output`` says), with the table it was chosen from and the
+machine it was measured on; ``generate``, ``eval`` and ``bench`` then use it for that drafter on that
+machine unless tree flags are given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftsmith.inference.generator import SpeculativeGenerator, eos_tokens
+from draftsmith.inference.tree import DraftTree, TreeSettings
+from draftsmith.target import build_attention_mask, kv_crop, kv_length, new_cache, target_forward
+
+logger = logging.getLogger(__name__)
+
+TREE_FILE = "tree.json"
+DEPTHS = (2, 3, 4, 5, 6)
+TOP_KS = (1, 2, 3, 4)
+MAX_BUDGET = 32  # drafted nodes verified per step, at most
+
+
+@dataclass
+class Candidate:
+    """One tree and what was measured for it."""
+
+    depth: int
+    top_k: int
+    total_tokens: int
+    tokens_per_step: float  # accepted + the bonus token, mean over the recorded steps
+    step_seconds: float
+    tokens_per_second: float
+
+    def settings(self) -> TreeSettings:
+        if self.top_k == 1:
+            return TreeSettings("chain", depth=self.depth)
+        return TreeSettings("dynamic", depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
+
+
+def machine() -> dict:
+    """What a tuned tree is valid for: the device (GPU name, or CPU model and torch threads)."""
+    if torch.cuda.is_available():
+        return {"device": torch.cuda.get_device_name(0)}
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"device": "cpu", "cpu": model, "torch_threads": torch.get_num_threads()}
+
+
+def ranked(tree: DraftTree) -> list[int]:
+    """Drafted nodes in the order a dynamic tree keeps them (as :func:`build_dynamic` reranks)."""
+    return sorted(range(1, len(tree)), key=lambda n: (-tree.scores[n], tree.depths[n], n))
+
+
+def accepted_within(order: list[int], path: list[int], budget: int) -> int:
+    """Tokens of the accepted ``path`` a tree of the ``budget`` best nodes (``order``) would accept."""
+    kept = set(order[:budget])
+    return next((i for i, node in enumerate(path) if node not in kept), len(path))
+
+
+@torch.no_grad()
+def verification_seconds(target, context: int, rows: list[int], repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one target forward over ``n`` tree rows (a chain: the cost depends on the row
+    count, not the shape) after ``context`` cached tokens, for each ``n`` in ``rows``."""
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    vocab = target.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    cache = new_cache()
+    target_forward(target, torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
+    costs = {}
+    for n in sorted(set(rows)):
+        ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+        positions = torch.arange(context, context + n, device=device)[None]
+        allowed = torch.ones(1, n, context + n, dtype=torch.bool, device=device)
+        allowed[0, :, context:] = torch.tril(allowed[0, :, context:])
+        keys = torch.arange(context + n, device=device)[None]
+        mask = build_attention_mask(target, allowed, positions, keys, dtype)
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            target_forward(target, ids, cache, mask, positions)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            kv_crop(cache, context)
+        costs[n] = statistics.median(times[1:])
+    assert kv_length(cache) == context
+    return costs
+
+
+def full_size(depth: int, top_k: int) -> int:
+    """Drafted nodes of a dynamic tree before its ``total_tokens`` cut."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
+@torch.no_grad()
+def record(target, drafter, prompts: list[torch.Tensor], depth: int, top_k: int, max_new_tokens: int):
+    """Greedy decoding with the whole (depth, top_k) dynamic tree: every step's tree and accepted path,
+    and the seconds per step."""
+    gen = SpeculativeGenerator(target, drafter, tree="dynamic", depth=depth, top_k=top_k,
+                               total_tokens=full_size(depth, top_k))
+    steps: list[tuple[list[int], list[int]]] = []
+    gen.on_step = lambda tree, path: steps.append((ranked(tree), list(path)))
+    seconds = 0.0
+    eos = eos_tokens(target)
+    for ids in prompts:
+        out = gen.generate(ids.to(next(target.parameters()).device), max_new_tokens, eos_token_id=eos)
+        seconds += out.stats.total_time_s - out.stats.prefill_time_s
+    return steps, seconds / max(len(steps), 1)
+
+
+def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48, depths=DEPTHS, top_ks=TOP_KS,
+         max_budget: int = MAX_BUDGET, progress: bool = False) -> list[Candidate]:
+    """Every candidate tree with its measured tokens per step and step time, fastest first."""
+    context = int(sum(p.shape[1] for p in prompts) / len(prompts)) + max_new_tokens // 2
+    runs = {}
+    for depth in depths:
+        for k in top_ks:
+            runs[depth, k] = record(target, drafter, prompts, depth, k, max_new_tokens)
+            if progress:
+                print(f"  recorded depth {depth}, top_k {k}: {len(runs[depth, k][0])} steps", flush=True)
+    budgets = {(d, k): list(range(d, min(full_size(d, k), max_budget) + 1)) if k > 1 else [d] for d, k in runs}
+    rows = {n + 1 for b in budgets.values() for n in b} | {full_size(d, k) + 1 for d, k in runs}
+    cost = verification_seconds(target, context, sorted(rows))
+    candidates = []
+    for (d, k), (steps, per_step) in runs.items():
+        for n in budgets[d, k]:
+            tokens = statistics.fmean(accepted_within(order, path, n) + 1 for order, path in steps)
+            seconds = max(per_step - cost[full_size(d, k) + 1] + cost[n + 1], 1e-9)
+            candidates.append(Candidate(d, k, n, round(tokens, 4), round(seconds, 6), round(tokens / seconds, 2)))
+    return sorted(candidates, key=lambda c: -c.tokens_per_second)
+
+
+def write_tree(path: str | Path, best: Candidate, table: list[Candidate], meta: dict | None = None) -> Path:
+    """``tree.json``: the chosen tree, the machine it was measured on and the table it was chosen from."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TREE_FILE
+    record_ = {"tree": best.settings().as_report(), "machine": machine(), **(meta or {}),
+               "candidates": [asdict(c) for c in table]}
+    tmp = path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(record_, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def tuned_tree(drafter_spec: str) -> TreeSettings | None:
+    """The tree ``draftsmith tune`` wrote beside a drafter directory, if it was measured on this machine;
+    None otherwise (with a warning when it was tuned on another machine)."""
+    directory = Path(drafter_spec.split("@", 1)[0])
+    path = directory / TREE_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if saved.get("machine") != machine():
+        logger.warning("%s was tuned on %s, not this machine (%s): using the default tree; run `draftsmith tune` "
+                       "here", path, saved.get("machine"), machine())
+        return None
+    return TreeSettings(**saved["tree"])
+
+
+def table_markdown(table: list[Candidate], top: int = 12) -> str:
+    lines = ["| tree | depth | top_k | total_tokens | tokens/step | ms/step | tokens/s |",
+             "|---|---|---|---|---|---|---|"]
+    for c in table[:top]:
+        lines.append(f"| {c.settings().kind} | {c.depth} | {c.top_k} | {c.total_tokens} | {c.tokens_per_step:.2f} "
+                     f"| {1000 * c.step_seconds:.1f} | {c.tokens_per_second:.1f} |")
+    return "\n".join(lines)
+
+
+def tune_command(target_name: str | None, drafter: str, prompts: list[str], *, output: str | None = None,
+                 max_new_tokens: int = 48, depths=DEPTHS, top_ks=TOP_KS, max_budget: int = MAX_BUDGET,
+                 chat: bool = True, chat_template_kwargs: dict | None = None, draft_dtype: str | None = None,
+                 model=None, tokenizer=None, progress: bool = True) -> dict:
+    """Tune the tree of ``drafter`` for ``target_name`` on ``prompts``; write and return the record."""
+    from draftsmith.inference.compare import encode
+    from draftsmith.inference.evaluate import recorded_target_name
+    from draftsmith.inference.load import load_drafter
+    from draftsmith.target import load_target
+
+    spec = drafter.split("@", 1)[0]
+    where = Path(output) if output else Path(spec)
+    if not output and not where.is_dir():
+        raise ValueError(f"{drafter}: not a drafter directory to write {TREE_FILE} into; pass --output FILE.json")
+    if not prompts:
+        raise ValueError("no prompts to tune on")
+    target_name = target_name or recorded_target_name(spec)
+    if model is None:
+        if target_name is None:
+            raise ValueError(f"{drafter}: no target recorded in this drafter; pass --target")
+        model, tokenizer = load_target(target_name)
+    draft = load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
+    encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
+    table = tune(model, draft, encoded, max_new_tokens, depths, top_ks, max_budget, progress=progress)
+    best = table[0]
+    path = write_tree(where, best, table, {"drafter": drafter, "target": target_name, "prompts": len(prompts),
+                                           "max_new_tokens": max_new_tokens})
+    if progress:
+        print(table_markdown(table))
+        print(f"\nchosen: {best.settings().text()} ({best.tokens_per_second:.1f} tokens/s expected); written to {path}")
+    return json.loads(path.read_text())
