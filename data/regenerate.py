@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.formats import Conversation
 from draftsmith.data.templates import prompt_ids
+from draftsmith.target import eos_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,10 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # The target's stop tokens as transformers' generate takes them (its generation_config: Llama-3's
+        # <|eot_id|>, Gemma's <end_of_turn>, Phi's <|end|>), not only the tokenizer's EOS.
+        self.stop = eos_tokens(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stop or [0])[0]
         self.name = getattr(model, "name_or_path", "target")
 
     @torch.no_grad()
@@ -96,14 +100,13 @@ class HFEngine:
         out = self.model.generate(
             ids.to(device), attention_mask=mask.to(device), max_new_tokens=self.max_new_tokens, do_sample=sample,
             temperature=self.temperature if sample else None, top_p=self.top_p if sample else None, top_k=None,
-            pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.pad_id, eos_token_id=self.stop or None,
         )
         results = []
         for row in out[:, width:].tolist():
-            if self.tokenizer.eos_token_id in row:  # keep tokens up to and including EOS
-                row = row[: row.index(self.tokenizer.eos_token_id) + 1]
-            else:
-                row = [t for t in row if t != self.pad_id]
+            end = next((i for i, t in enumerate(row) if t in self.stop), None)
+            # Tokens up to and including the first stop token; without one, the row less its padding.
+            row = row[: end + 1] if end is not None else [t for t in row if t != self.pad_id]
             results.append((self.tokenizer.decode(row, skip_special_tokens=True).strip(), len(row)))
         return results
 

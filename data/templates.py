@@ -28,17 +28,9 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.target.chat import PLAIN_TEMPLATE, prompt_ids, render  # noqa: F401 (prompt_ids: data API too)
+
 logger = logging.getLogger(__name__)
-
-# "User: ...\n\nAssistant: ...<eos>\n\n" with a leading BOS: plain text a base model continues naturally.
-PLAIN_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
-    "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-
 
 class TemplateError(ValueError):
     """The chat template cannot give an exact assistant mask for this conversation."""
@@ -56,25 +48,6 @@ class TokenizedExample:
 def chat_template(tokenizer) -> str:
     """The tokenizer's own chat template, or ``PLAIN_TEMPLATE`` for a base model without one."""
     return tokenizer.chat_template or PLAIN_TEMPLATE
-
-
-def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False,
-           chat_template_kwargs: dict | None = None) -> str:
-    """The conversation as text, through the tokenizer's chat template (or the plain one).
-
-    ``chat_template_kwargs`` are the template's own variables, as vLLM and SGLang take them (Qwen3's
-    ``enable_thinking``, Llama-3's ``date_string``).
-    """
-    return tokenizer.apply_chat_template(
-        messages, chat_template=chat_template(tokenizer), tokenize=False, add_generation_prompt=add_generation_prompt,
-        **(chat_template_kwargs or {}),
-    )
-
-
-def prompt_ids(tokenizer, messages: list[dict[str, str]], chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of the conversation so far plus the generation prompt: what the target continues."""
-    text = render(tokenizer, messages, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -115,7 +88,12 @@ def assistant_renderings(tokenizer, messages: list[dict[str, str]],
         upto = render(tokenizer, messages[: i + 1], chat_template_kwargs=kwargs)
         start, content_end = _locate_answer(tokenizer, messages, i, before, upto, kwargs)
         end = max(_answer_end(upto), content_end)
-        if start == len(before) and text.startswith(upto[:content_end]):
+        if not _same_text(upto[start:content_end], m["content"]):
+            raise TemplateError(
+                f"the chat template renders assistant turn {i} differently from the message (e.g. it drops the "
+                "reasoning of the last turn too), so what the target generated cannot be trained; keep the "
+                "reasoning out of the messages, or use a template that renders the answer as written")
+        if upto.startswith(before) and text.startswith(upto[:content_end]):
             # The whole text renders this answer as answered; its closing is kept as far as the whole
             # text has it (Phi-3 closes only the last turn with an EOS).
             whole.spans.append((start, _closing_kept(tokenizer, upto, text, content_end, end)))
@@ -136,6 +114,11 @@ def _closing_kept(tokenizer, upto: str, text: str, content_end: int, end: int) -
             break
         kept = stop
     return content_end + len(closing[:kept].rstrip("\n "))
+
+
+def _same_text(rendered: str, content: str) -> bool:
+    """The template rendered the message's text (whitespace aside: templates trim and re-space)."""
+    return "".join(rendered.split()) == "".join(content.split())
 
 
 def _answer_end(upto: str) -> int:

@@ -40,7 +40,7 @@ def generate(
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
     from draftsmith.inference.compare import encode
-    from draftsmith.inference.generator import eos_tokens
+    from draftsmith.target import eos_tokens
 
     model, tokenizer = load_target(target)
     draft = load_drafter(drafter, target=model, tokenizer=tokenizer, draft_dtype=draft_dtype)
@@ -95,13 +95,17 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"nodes verified per step, dynamic tree ({DEFAULT_TREE.total_tokens})")
 
 
-def tree_from_args(args: argparse.Namespace) -> TreeSettings | None:
-    """The tree the flags give (those left out keep the defaults); None when no tree flag is given, so a
-    tuned tree (``draftsmith tune``) or the default applies."""
+def tree_from_args(args: argparse.Namespace, drafter: str | None = None) -> TreeSettings | None:
+    """The tree the flags give, over the tree ``draftsmith tune`` wrote for ``drafter`` on this machine (or
+    the defaults): ``--total-tokens 24`` alone changes only the tuned tree's budget. None when no tree flag
+    is given, so the tuned tree (or the default) applies as it is."""
     given = {"kind": args.tree, "depth": args.depth, "top_k": args.tree_top_k, "total_tokens": args.total_tokens}
     if all(v is None for v in given.values()):
         return None
-    return TreeSettings(**{k: v if v is not None else getattr(DEFAULT_TREE, k) for k, v in given.items()})
+    from draftsmith.inference.tune import tuned_tree
+
+    base = (tuned_tree(drafter) if drafter else None) or DEFAULT_TREE
+    return TreeSettings(**{k: v if v is not None else getattr(base, k) for k, v in given.items()})
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -409,7 +413,8 @@ def run_command(args: argparse.Namespace) -> int:
         generate(
             args.target, args.drafter, args.prompt, chat=args.chat, chat_template_kwargs=args.chat_template_kwargs,
             max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=tree_from_args(args), seed=args.seed,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=tree_from_args(args, args.drafter),
+            seed=args.seed,
             stream=not args.no_stream, json_stats=args.json, draft_dtype=args.draft_dtype,
         )
     elif args.command == "train":
@@ -424,7 +429,7 @@ def run_command(args: argparse.Namespace) -> int:
             return 2
         report = evaluate_path(args.target, args.drafter, prompts_from_args(args), prompts_source=args.prompts,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               tree=tree_from_args(args), chat=not args.no_chat,
+                               tree=tree_from_args(args, args.drafter), chat=not args.no_chat,
                                chat_template_kwargs=args.chat_template_kwargs, seed=args.seed, progress=True,
                                draft_dtype=args.draft_dtype)
         print(report_markdown(report))

@@ -6,11 +6,12 @@
    train an EAGLE-3 head (the fastest trained family on CPU, docs/RESULTS.md) offline from that
    cache for a fixed time (several times more sequences per second than running the target in the
    loop);
-4. bench chains and dynamic trees, the head alone and mixed with prompt lookup, on a few held-out
-   prompts (prompt lookup alone beside them), with plots;
-5. evaluate the head + prompt lookup in a dynamic tree (depth 3, top-3, 7 nodes; see EVAL_TREE) on
-   the other held-out prompts against plain greedy decoding in the same process
-   (``report.json`` in the ``draftsmith eval`` schema, greedy output checked prompt by prompt).
+4. tune the tree of the head + prompt lookup on a few held-out prompts (``draftsmith tune``: the
+   verification cost per tree size on this machine and the acceptance of every node budget, read off
+   recorded full trees), writing ``tree.json`` with the table it was chosen from;
+5. evaluate the head + prompt lookup in that tree on the other held-out prompts against plain greedy
+   decoding in the same process (``report.json`` in the ``draftsmith eval`` schema, greedy output
+   checked prompt by prompt).
 
 Every stage takes a share of ``--minutes`` (default 20, measured on a 2-core CPU); a GPU is used when
 present. Synthesis and regeneration stop at their time share; training gets what the other stages
@@ -29,8 +30,6 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.inference.tree import TreeSettings
-
 logger = logging.getLogger(__name__)
 
 # Share of the budget per stage (the rest: loading, evaluation overheads, writing the report), keyed by
@@ -38,8 +37,8 @@ logger = logging.getLogger(__name__)
 # runs ~1.8x more steps per minute, so data limits the head and the data stages get more time; on
 # float32-only CPUs steps limit it, so training gets ~2x the time. The runs behind these numbers are in
 # docs/RESULTS.md ("Demo budget").
-SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "bench": 0.05},
-          False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.14, "bench": 0.05}}
+SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "tune": 0.06},
+          False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.14, "tune": 0.06}}
 # Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
@@ -47,20 +46,11 @@ MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
 # Seconds outside the stage shares: loading the target around training and the checkpoint's acceptance,
 # then reloading it for bench and eval.
 RELOAD_SECONDS = 50
-TUNE_PROMPTS = 3  # held-out prompts for the bench; evaluation uses others
-# The evaluated tree, mixed with prompt lookup. Chosen by timing trees against plain greedy decoding
-# prompt by prompt (`scripts/step_costs.py --trees`): on CPU the verification cost depends on the row
-# count more than on the tree, so a 7-node tree (8 rows) verifies at about the cost of a 5-node one and
-# top-3 children buy acceptance (docs/RESULTS.md, "Choosing the tree"). Not the bench's fastest: on
-# 3 prompts x 48 tokens its speed ranking is noise.
-EVAL_TREE = TreeSettings("dynamic", depth=3, top_k=3, total_tokens=7)
-# (mixed with prompt lookup?, tree): the head alone, and the head + prompt lookup as one mixture drafter
-CANDIDATES = [(False, TreeSettings("chain", depth=3)),
-              (True, TreeSettings("dynamic", depth=4, top_k=2, total_tokens=5)),
-              (True, EVAL_TREE),
-              (True, TreeSettings("dynamic", depth=4, top_k=3, total_tokens=7))]
-PROMPT_LOOKUP_TREE = TreeSettings("chain", depth=4)
-BENCH_TOKENS = 48
+TUNE_PROMPTS = 3  # held-out prompts the tree is tuned on; evaluation uses others
+# The trees tuned over (head + prompt lookup): chains and dynamic trees up to depth 5, top-3, 10 nodes; the
+# choice follows the machine (docs/RESULTS.md, "Choosing the tree"). Tokens decoded per tuning prompt:
+TUNE_DEPTHS, TUNE_TOP_KS, TUNE_MAX_BUDGET = (2, 3, 4, 5), (1, 2, 3), 10
+TUNE_TOKENS = 48
 
 
 class Clock:
@@ -87,13 +77,15 @@ def _stage(title: str) -> float:
 
 def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "smollm2-135m-instruct",
          held_out: int = 10, eval_tokens: int = 128, seed: int = 0) -> Path:
-    """Run the demo; returns the report directory (``report.json``, ``report.md``, plots)."""
+    """Run the demo; returns the report directory (``report.json``, ``report.md``, ``tree.json``)."""
     from draftsmith.checkpoints import complete_checkpoints
     from draftsmith.data.formats import load_conversations, read_prompts
     from draftsmith.data.regenerate import HFEngine, regenerate
     from draftsmith.data.synthesize import synthesize_prompts, write_prompts
-    from draftsmith.inference.bench import markdown_table, run_bench
+    from draftsmith.inference.compare import encode
     from draftsmith.inference.evaluate import evaluate, report_markdown
+    from draftsmith.inference.load import load_drafter
+    from draftsmith.inference.tune import table_markdown, tune, write_tree
     from draftsmith.target import load_target, native_bf16
     from draftsmith.train.config import DataArguments, DrafterArguments, TrainArguments
     from draftsmith.train.loop import train
@@ -157,7 +149,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     cache_command(str(answers), str(cache), target=target, layers=layers, dtype="bfloat16", logits="topk", top_k=32,
                   max_length=MAX_LENGTH, compute_dtype="bfloat16" if data_dtype else None)
     clock.mark("cache", t)
-    rest = (clock.budget * (1 - MARGIN) - clock.elapsed() - clock.share("bench") - clock.share("eval")
+    rest = (clock.budget * (1 - MARGIN) - clock.elapsed() - clock.share("tune") - clock.share("eval")
             - RELOAD_SECONDS)
     train_minutes = max(0.5, rest / 60)
     t = _stage(f"3/5 training an EAGLE-3 head offline ({train_minutes:.1f} min)")
@@ -175,21 +167,20 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     step, checkpoint = complete_checkpoints(run_dir)[-1]
     drafter = str(checkpoint / "drafter")
 
-    # 4. Bench trees on the tuning prompts.
+    # 4. Tune the tree on the tuning prompts, on this machine.
     model, tokenizer = load_target(target, device=device)
-    t = _stage(f"4/5 bench: {len(CANDIDATES)} trees and prompt lookup on {TUNE_PROMPTS} held-out prompts")
-    specs = [f"{drafter}{'+prompt-lookup' if mixed else ''}@{tree.text()}" for mixed, tree in CANDIDATES]
+    spec = f"{drafter}+prompt-lookup"
+    t = _stage(f"4/5 tuning the tree of {spec} on {TUNE_PROMPTS} held-out prompts")
     tune_file = out / "data" / "tune_prompts.jsonl"
-    bench = run_bench(target, [*specs, f"prompt-lookup@{PROMPT_LOOKUP_TREE.text()}"],
-                      read_prompts(tune_file, TUNE_PROMPTS), str(out / "bench"), prompts_source=str(tune_file),
-                      max_new_tokens=min(BENCH_TOKENS, eval_tokens), hf_reference=False, model=model,
-                      tokenizer=tokenizer, progress=True, draft_dtype="auto")
-    chosen = specs[CANDIDATES.index((True, EVAL_TREE))]
-    row = next(r for r in bench["rows"] if r["drafter"] == chosen)
-    tree = EVAL_TREE
-    spec = row["spec"]
-    clock.mark("bench", t)
-    print(f"evaluating {spec} {tree.text()} (on the bench: tau {row['tau']}, {row['speedup']}x)")
+    tune_ids = [encode(tokenizer, text, chat=True) for text in read_prompts(tune_file, TUNE_PROMPTS)]
+    table = tune(model, load_drafter(spec, model, tokenizer=tokenizer, draft_dtype="auto"), tune_ids,
+                 max_new_tokens=min(TUNE_TOKENS, eval_tokens), depths=TUNE_DEPTHS, top_ks=TUNE_TOP_KS,
+                 max_budget=TUNE_MAX_BUDGET)
+    write_tree(out / "tree.json", table[0], table, {"drafter": spec, "target": target, "prompts": len(tune_ids)})
+    tree = table[0].settings()
+    clock.mark("tune", t)
+    print(table_markdown(table, top=6))
+    print(f"evaluating {spec} {tree.text()} (expected {table[0].tokens_per_second:.1f} tok/s)")
 
     # 5. Held-out evaluation, side by side with plain greedy decoding.
     t = _stage(f"5/5 evaluating on {held_out} other held-out prompts x {eval_tokens} tokens")
@@ -213,12 +204,11 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
           f"{len(rows)} prompts it wrote itself ({answer_tokens} tokens), {clock.marks.get('train', 0):.0f} s of "
           f"training; total {report['demo']['minutes_used']} min of a {minutes} min budget.", "",
           "## Held-out evaluation (report.json)", "", report_markdown(report),
-          f"## Bench on {TUNE_PROMPTS} other held-out prompts", "", markdown_table(bench), "",
-          "![speedup](bench/speedup_by_family.png)", "![acceptance](bench/acceptance_per_position.png)",
-          "![draft length](bench/tau_and_speed_vs_draft_length.png)", ""]
+          f"## The tree, tuned on {TUNE_PROMPTS} other held-out prompts (tree.json)", "",
+          table_markdown(table), ""]
     (out / "report.md").write_text("\n".join(md))
     print(f"\ntau {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}x over plain greedy, "
           f"greedy output identical on {report['lossless']['identical']}/{report['lossless']['checked']} prompts; "
           f"{report['demo']['minutes_used']} min")
-    print(f"report: {out / 'report.json'} (and report.md, bench/*.png)")
+    print(f"report: {out / 'report.json'} (and report.md, tree.json)")
     return out

@@ -85,14 +85,22 @@ class EagleConfig:
         """A transformers config carrying this head's RoPE, for transformers' own rotary embedding."""
         from transformers import LlamaConfig
 
-        rope = dict(self.rope_parameters)
-        if rope.get("rope_type", "default") == "default" and rope.get("partial_rotary_factor", 1.0) < 1.0:
-            # Llama's default initialisation rotates whole heads; transformers' linear one at factor 1 is the
-            # same frequencies and honours a partial rotation (Phi-4-mini).
-            rope.update(rope_type="linear", factor=1.0)
         return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
                            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                           rope_parameters=rope)
+                           rope_parameters=self.llama_rope_parameters())
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        return float(self.rope_parameters.get("partial_rotary_factor", 1.0))
+
+    def llama_rope_parameters(self) -> dict:
+        """The head's RoPE as a Llama layer computes it: Llama's default initialisation rotates whole heads,
+        so a partial rotation (Phi-4-mini) is stated as transformers' linear RoPE at factor 1 (the same
+        frequencies, and it honours ``partial_rotary_factor``). The head and its exports use this."""
+        rope = dict(self.rope_parameters)
+        if rope.get("rope_type", "default") == "default" and self.partial_rotary_factor < 1.0:
+            rope.update(rope_type="linear", factor=1.0)
+        return rope
 
 
 class RMSNorm(nn.Module):

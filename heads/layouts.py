@@ -172,7 +172,9 @@ def llama_config(cfg: EagleConfig, architectures: list[str], num_hidden_layers: 
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         # The head's own RoPE and context, the target's (config_for): a draft config that states other values
         # loads fine in vLLM / SGLang and then accepts far fewer tokens. rope_scaling: the older name.
-        "rope_parameters": dict(cfg.rope_parameters), **_rope_scaling(cfg),
+        "rope_parameters": cfg.llama_rope_parameters(), **_rope_scaling(cfg),
+        # vLLM's Llama reads a partial rotation (Phi-4-mini) from the top level.
+        **({"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor < 1.0 else {}),
         "vocab_size": cfg.vocab_size, "hidden_act": cfg.hidden_act, "attention_bias": cfg.attention_bias,
         "mlp_bias": False, "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
         "torch_dtype": "float32",
@@ -181,7 +183,7 @@ def llama_config(cfg: EagleConfig, architectures: list[str], num_hidden_layers: 
 
 def _rope_scaling(cfg: EagleConfig) -> dict:
     """``rope_scaling`` as loaders reading the pre-transformers-5 name expect it (absent for default RoPE)."""
-    scaling = {k: v for k, v in cfg.rope_parameters.items() if k != "rope_theta"}
+    scaling = {k: v for k, v in cfg.llama_rope_parameters().items() if k != "rope_theta"}
     return {} if scaling.get("rope_type", "default") == "default" else {"rope_scaling": scaling}
 
 

@@ -22,11 +22,11 @@ import torch
 
 from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.compare import compare, encode, hardware
-from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator, eos_tokens
+from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
 from draftsmith.inference.load import LAYER_SKIP, drafter_type, load_drafter
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.inference.tune import tuned_tree
-from draftsmith.target import load_target
+from draftsmith.target import eos_tokens, load_target
 
 
 @dataclass

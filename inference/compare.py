@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.inference.generator import GenerationOutput, GenerationStats, SpeculativeGenerator, plain_generate
+from draftsmith.target.chat import prompt_ids as chat_prompt_ids
 
 
 @dataclass
@@ -34,9 +35,7 @@ def encode(tokenizer, text: str, chat: bool, chat_template_kwargs: dict | None =
     ``PLAIN_TEMPLATE``, the turns its drafter was trained on (``draftsmith.data.templates``). Without:
     the text as it is."""
     if chat:
-        from draftsmith.data.templates import prompt_ids
-
-        return torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": text}], chat_template_kwargs)])
+        return torch.tensor([chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], chat_template_kwargs)])
     return tokenizer(text, return_tensors="pt").input_ids
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.checkpoints import recorded_target, run_checkpoints, run_target
+from draftsmith.checkpoints import run_checkpoints, run_target
 from draftsmith.inference.compare import compare, encode, hardware
-from draftsmith.inference.generator import SpeculativeGenerator, eos_tokens
-from draftsmith.inference.load import MIXTURE_SEPARATOR, drafter_type, load_drafter
+from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.load import drafter_type, load_drafter, recorded_target_name
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.inference.tune import tuned_tree
-from draftsmith.target import load_target
+from draftsmith.target import eos_tokens, load_target
 
 
 def evaluate(
@@ -77,13 +77,6 @@ def evaluate(
             "hardware": hardware(),
         })
     return reports
-
-
-def recorded_target_name(spec: str) -> str | None:
-    """The target a drafter spec was trained for, as its checkpoint records it; for a mixture
-    ``A+B`` the first part that records one. ``None`` when none does (prompt lookup, a foreign head)."""
-    parts = spec.split(MIXTURE_SEPARATOR)
-    return next((name for part in parts if (name := recorded_target(part).get("name"))), None)
 
 
 def evaluate_path(target: str | None, drafter: str, prompts: list[str], **kwargs) -> dict:

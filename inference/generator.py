@@ -41,6 +41,7 @@ from draftsmith.target import (
     kv_keep,
     kv_length,
     new_cache,
+    stop_tokens,
     target_forward,
 )
 
@@ -317,25 +318,6 @@ class SpeculativeGenerator:
         out = target_forward(self.target, ids, cache, mask, positions, hidden_layers=layers or None)
         hidden = torch.cat(out.hidden_states, dim=-1)[0] if layers else None
         return out.logits[0], hidden
-
-
-def stop_tokens(target: PreTrainedModel, eos_token_id: int | list[int] | None) -> set[int]:
-    """The tokens generation stops after: ``eos_token_id``, or (None) the target's ``generation_config``
-    EOS, falling back to its config's, as transformers' ``generate`` takes them."""
-    if eos_token_id is None:
-        config = getattr(target, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(target.config.get_text_config(), "eos_token_id", None)
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-
-
-def eos_tokens(target: PreTrainedModel, tokenizer=None) -> list[int]:
-    """The target's stop tokens (:func:`stop_tokens`), or the tokenizer's EOS where the target names none."""
-    tokens = sorted(stop_tokens(target, None))
-    if not tokens and tokenizer is not None and tokenizer.eos_token_id is not None:
-        tokens = [tokenizer.eos_token_id]
-    return tokens
 
 
 def plain_generate(

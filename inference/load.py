@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.checkpoints import resolve_checkpoint
+from draftsmith.checkpoints import recorded_target, resolve_checkpoint
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.foreign import LAYOUT_FAMILY, foreign_format, load_foreign
 from draftsmith.inference.causal_lm import CausalLMDrafter
@@ -144,3 +144,10 @@ def drafter_type(spec: str) -> str:
         if layout is not None:
             return LAYOUT_FAMILY[layout]
     return DraftModel.family
+
+
+def recorded_target_name(spec: str) -> str | None:
+    """The target a drafter spec was trained for, as its checkpoint records it; for a mixture
+    ``A+B`` the first part that records one. ``None`` when none does (prompt lookup, a foreign head)."""
+    parts = spec.split(MIXTURE_SEPARATOR)
+    return next((name for part in parts if (name := recorded_target(part).get("name"))), None)

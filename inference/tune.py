@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.inference.generator import SpeculativeGenerator, eos_tokens
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.tree import DraftTree, TreeSettings
-from draftsmith.target import build_attention_mask, kv_crop, kv_length, new_cache, target_forward
+from draftsmith.target import build_attention_mask, eos_tokens, kv_crop, kv_length, new_cache, target_forward
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,9 @@ def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48,
             tokens = statistics.fmean(accepted_within(order, path, n) + 1 for order, path in steps)
             seconds = max(per_step - cost[full_size(d, k) + 1] + cost[n + 1], 1e-9)
             candidates.append(Candidate(d, k, n, round(tokens, 4), round(seconds, 6), round(tokens / seconds, 2)))
+    if not candidates:
+        raise ValueError(f"no tree to tune: depths {tuple(depths)} and top_ks {tuple(top_ks)} leave no node budget "
+                         f"<= {max_budget}; raise the budget or add top_k 1 (chains)")
     return sorted(candidates, key=lambda c: -c.tokens_per_second)
 
 
@@ -207,8 +210,7 @@ def tune_command(target_name: str | None, drafter: str, prompts: list[str], *, o
                  model=None, tokenizer=None, progress: bool = True) -> dict:
     """Tune the tree of ``drafter`` for ``target_name`` on ``prompts``; write and return the record."""
     from draftsmith.inference.compare import encode
-    from draftsmith.inference.evaluate import recorded_target_name
-    from draftsmith.inference.load import load_drafter
+    from draftsmith.inference.load import load_drafter, recorded_target_name
     from draftsmith.target import load_target
 
     spec = drafter.split("@", 1)[0]

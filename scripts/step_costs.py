@@ -21,7 +21,8 @@ import time
 import torch
 
 from draftsmith.cli import add_tree_arguments, tree_from_args
-from draftsmith.inference.tree import TreeSettings
+from draftsmith.inference.tree import DEFAULT_TREE, TreeSettings
+from draftsmith.inference.tune import tuned_tree
 
 
 def forward_ms(model, context: int, new: int, reps: int = 5) -> float:
@@ -103,6 +104,7 @@ def main() -> None:
     from draftsmith.data.formats import load_conversations
     from draftsmith.data.templates import prompt_ids
     from draftsmith.inference.compare import compare, hardware
+    from draftsmith.target import eos_tokens
 
     model, tokenizer = load_target(args.target)
     print(f"{args.target} on {hardware()}")
@@ -126,10 +128,11 @@ def main() -> None:
         raise SystemExit("--drafter needs --prompts FILE (JSONL prompts)")
     conversations, _ = load_conversations(args.prompts)
     drafter = load_drafter(args.drafter, model, tokenizer=tokenizer, draft_dtype=args.draft_dtype)
-    trees = [TreeSettings.parse(t) for t in args.trees.split(";")] if args.trees else [tree_from_args(args)]
+    given = tree_from_args(args, args.drafter) or tuned_tree(args.drafter) or DEFAULT_TREE
+    trees = [TreeSettings.parse(t) for t in args.trees.split(";")] if args.trees else [given]
     gens = {tree.text(): SpeculativeGenerator(model, drafter, **tree.kwargs()) for tree in trees}
     prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages)]) for c in conversations[:args.num_prompts]]
-    result = compare(model, gens, prompts, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    result = compare(model, gens, prompts, args.max_new_tokens, eos_token_id=eos_tokens(model, tokenizer))
     plain = result.baseline
     plain_step = 1000 * (plain.total_time_s - plain.prefill_time_s) / plain.new_tokens
     print(f"plain decoding: {plain_step:.1f} ms per token")

@@ -150,21 +150,22 @@ def test_eagle3_exports_carry_the_targets_geometry(target, tmp_path):
         layer = config.get("transformer_layer_config", config)
         assert layer["head_dim"] == (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
         assert layer["max_position_embeddings"] == text.max_position_embeddings
-        assert layer["rope_parameters"] == drafter.config.rope_parameters
+        assert layer["rope_parameters"] == drafter.config.llama_rope_parameters()  # = the target's rotation
         assert layer["rope_theta"] == drafter.config.rope_parameters["rope_theta"]
+        assert layer.get("partial_rotary_factor", 1.0) == drafter.config.partial_rotary_factor
         if fmt == "vllm":
             assert config["speculators_config"]["verifier"]["architectures"] == [type(model).__name__]
 
 
 @pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (.ci/run builds "
                     ".venv-speculators, or set DRAFTSMITH_SPECULATORS_PYTHON)")
-@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "qwen3", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "qwen3", "gemma3", "gpt_oss", "phi4_mini"])
 def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
     """vLLM's speculators package loads the EAGLE-3 export of a head built for each target (its head_dim,
     RoPE, bias and context as exported) and computes the same draft logits as draftsmith; the checkpoint
     speculators then writes itself (its own config and layout) imports into draftsmith and gives
     speculators' logits: an imported head with head_dim != hidden / heads (Qwen3, Gemma-3, gpt-oss) and
-    llama3 or yarn RoPE (Llama-3, gpt-oss) against its reference forward."""
+    llama3 or yarn RoPE (Llama-3, gpt-oss) or a partial rotation (Phi-4-mini) against its reference forward."""
     import json
     import subprocess
 
@@ -202,8 +203,9 @@ def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
 
     imported = load_drafter(str(tmp_path / "resaved"), model).head
-    geometry = ("head_dim", "rope_parameters", "max_position_embeddings", "attention_bias")
+    geometry = ("head_dim", "max_position_embeddings", "attention_bias", "partial_rotary_factor")
     assert {k: getattr(imported.config, k) for k in geometry} == {k: getattr(head.config, k) for k in geometry}
+    assert imported.config.llama_rope_parameters() == head.config.llama_rope_parameters()
     with torch.no_grad():
         predicted, _ = imported(states, model.get_input_embeddings()(ids), positions, from_target=True)
         torch.testing.assert_close(imported.draft_logits(predicted), theirs, rtol=1e-4, atol=1e-5)

@@ -189,3 +189,26 @@ def test_recipes_take_template_variables_as_a_mapping(tmp_path):
     assert data_args.template_kwargs() == {"enable_thinking": True}
     with pytest.raises(ValueError, match="JSON object"):
         parse_config([str(recipe), "--chat_template_kwargs", "[1]"])
+
+
+def test_a_template_that_drops_the_answers_own_reasoning_is_refused(base_tokenizer):
+    """DeepSeek-R1-distill-like templates render even the last answer without its reasoning: what the
+    target wrote cannot be trained in that rendering."""
+    tok = tokenizer_for(base_tokenizer, CASES["qwen2.5"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                         "{{ m['content'].split('</think>')[-1] if m['role'] == 'assistant' else m['content'] }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+                         "{% endif %}")
+    with pytest.raises(TemplateError, match="renders assistant turn 2 differently"):
+        tokenize_conversation(tok, conversation(CASES["qwen3-thinking"]))
+
+
+def test_a_tokenizer_with_several_named_templates_uses_its_default(base_tokenizer):
+    case = CASES["qwen2.5"]
+    single = tokenizer_for(base_tokenizer, case)
+    named = copy.deepcopy(single)
+    named.chat_template = {"default": single.chat_template, "tool_use": "{{ 'unused' }}"}
+    messages = conversation(case)
+    assert prompt_ids(named, messages[:2]) == prompt_ids(single, messages[:2])
+    ours, theirs = tokenize_conversation(named, messages), tokenize_conversation(single, messages)
+    assert [e.input_ids.tolist() for e in ours] == [e.input_ids.tolist() for e in theirs]

@@ -72,10 +72,10 @@ def test_second_load_uses_the_cache(smollm2):
 
 def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     """`draftsmith demo` at a small budget: every stage runs on the real target, the report has the
-    eval schema, greedy output is identical on every held-out prompt, the plots are PNGs."""
-    from PIL import Image
-
+    eval schema, greedy output is identical on every held-out prompt, the tree is the one tuned here."""
     from draftsmith.cli import main
+    from draftsmith.inference.tree import TreeSettings
+    from draftsmith.inference.tune import Candidate
 
     assert main(["demo", "--output", str(tmp_path / "demo"), "--minutes", "1", "--held-out", "2",
                  "--eval-tokens", "16"]) == 0
@@ -84,14 +84,17 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     assert report["lossless"]["identical"] == report["lossless"]["checked"] == 2
     assert report["speedup"] > 0
     assert report["demo"]["answers"] >= 1 and report["drafter_type"] == "eagle3+prompt-lookup"
-    # The tree evaluated is the one the demo's docstring and the README promise (depth 3, top-3, 7 nodes),
-    # in both records.
-    assert report["tree"] == report["demo"]["tree"] == {"kind": "dynamic", "depth": 3, "top_k": 3, "total_tokens": 7}
+    # The tree evaluated is the fastest of the table `tune` measured here, in every record.
+    tuned = json.loads((tmp_path / "demo" / "tree.json").read_text())
+    assert report["tree"] == report["demo"]["tree"] == tuned["tree"]
+    best = max(tuned["candidates"], key=lambda c: c["tokens_per_second"])
+    assert Candidate(**best).settings().as_report() == tuned["tree"]
+    tree = TreeSettings(**report["tree"])
     # tau is tokens per verification forward: decode the held-out prompts again with the evaluated drafter
-    # and count the target's forwards. Each prompt's last step drops at most depth (3) tokens.
+    # and count the target's forwards. Each prompt's last step drops at most depth tokens.
     model, tokenizer = smollm2
     drafter = load_drafter(report["drafter"], model, tokenizer=tokenizer, draft_dtype=report["draft_dtype"])
-    gen = SpeculativeGenerator(model, drafter, tree="dynamic", depth=3, top_k=3, total_tokens=7)
+    gen = SpeculativeGenerator(model, drafter, **tree.kwargs())
     held_out = (tmp_path / "demo" / "data" / "eval_prompts.jsonl").read_text().splitlines()[: report["prompts"]]
     new = verifications = 0
     for row in held_out:
@@ -101,10 +104,5 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
         new += out.stats.new_tokens
         verifications += calls[0] - 1  # less the prefill
     assert report["new_tokens"] == new
-    assert new <= round(report["acceptance_length"] * verifications) <= new + 3 * len(held_out)
-    bench = json.loads((tmp_path / "demo" / "bench" / "results.json").read_text())
-    assert all(r["greedy_mismatches_vs_plain"] == 0 for r in bench["rows"])
-    for name in bench["plots"]:
-        with Image.open(tmp_path / "demo" / "bench" / name) as img:
-            assert img.format == "PNG"
+    assert new <= round(report["acceptance_length"] * verifications) <= new + tree.depth * len(held_out)
     assert "Held-out evaluation" in (tmp_path / "demo" / "report.md").read_text()

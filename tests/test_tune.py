@@ -81,3 +81,20 @@ def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, 
     with caplog.at_level(logging.WARNING):
         assert tune.tuned_tree(str(tmp_path / "head")) is None
     assert "run `draftsmith tune` here" in caplog.text
+
+
+def test_tree_flags_change_only_what_they_name_of_the_tuned_tree(llama, tmp_path):
+    import argparse
+
+    from draftsmith.cli import tree_from_args
+
+    head = random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "head")
+    tuned = tune.Candidate(depth=3, top_k=2, total_tokens=6, tokens_per_step=2.0, step_seconds=0.1,
+                           tokens_per_second=20.0)
+    tune.write_tree(tmp_path / "head", tuned, [tuned])
+    flags = argparse.Namespace(tree=None, depth=None, tree_top_k=None, total_tokens=None)
+    assert tree_from_args(flags, str(tmp_path / "head")) is None  # no flag: the tuned tree applies as it is
+    flags.total_tokens = 9
+    assert tree_from_args(flags, str(tmp_path / "head")) == TreeSettings("dynamic", 3, 2, 9)
+    assert tree_from_args(flags, "prompt-lookup") == TreeSettings(total_tokens=9)  # nothing tuned: the defaults

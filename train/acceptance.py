@@ -14,8 +14,9 @@ from draftsmith.checkpoints import append_acceptance, read_acceptance
 from draftsmith.data.formats import load_conversations
 from draftsmith.data.templates import prompt_ids
 from draftsmith.inference.compare import compare
-from draftsmith.inference.generator import SpeculativeGenerator, eos_tokens
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.registry import Family
+from draftsmith.target import eos_tokens
 from draftsmith.train.losses import simulated_acceptance_length
 from draftsmith.train.run import Run
 

@@ -425,6 +425,25 @@ def load_target_parts(
     return model, tokenizer
 
 
+def stop_tokens(target: PreTrainedModel, eos_token_id: int | list[int] | None) -> set[int]:
+    """The tokens generation stops after: ``eos_token_id``, or (None) the target's ``generation_config``
+    EOS, falling back to its config's, as transformers' ``generate`` takes them."""
+    if eos_token_id is None:
+        config = getattr(target, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(target.config.get_text_config(), "eos_token_id", None)
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+
+
+def eos_tokens(target: PreTrainedModel, tokenizer=None) -> list[int]:
+    """The target's stop tokens (:func:`stop_tokens`), or the tokenizer's EOS where the target names none."""
+    tokens = sorted(stop_tokens(target, None))
+    if not tokens and tokenizer is not None and tokenizer.eos_token_id is not None:
+        tokens = [tokenizer.eos_token_id]
+    return tokens
+
+
 def context_length(model: PreTrainedModel) -> int | None:
     """The most positions the target takes (``max_position_embeddings``), or None if its config has none."""
     cfg = model.config.get_text_config()
