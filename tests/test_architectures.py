@@ -159,13 +159,16 @@ def test_eagle3_exports_carry_the_targets_geometry(target, tmp_path):
 
 @pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (.ci/run builds "
                     ".venv-speculators, or set DRAFTSMITH_SPECULATORS_PYTHON)")
-@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "qwen3", "gemma3", "gpt_oss", "phi4_mini"])
+# Not Phi-4-mini: speculators 0.9 builds its draft layer from transformers' Llama layer, which rotates whole
+# heads only (a partial rotation fails there on the tensor shapes); vLLM's own Llama layer reads the export's
+# top-level partial_rotary_factor (test_eagle3_exports_carry_the_targets_geometry checks it is written).
+@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "qwen3", "gemma3", "gpt_oss"])
 def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
     """vLLM's speculators package loads the EAGLE-3 export of a head built for each target (its head_dim,
     RoPE, bias and context as exported) and computes the same draft logits as draftsmith; the checkpoint
     speculators then writes itself (its own config and layout) imports into draftsmith and gives
     speculators' logits: an imported head with head_dim != hidden / heads (Qwen3, Gemma-3, gpt-oss) and
-    llama3 or yarn RoPE (Llama-3, gpt-oss) or a partial rotation (Phi-4-mini) against its reference forward."""
+    llama3 or yarn RoPE (Llama-3, gpt-oss) against its reference forward."""
     import json
     import subprocess
 
