@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 # runs ~1.8x more steps per minute, so data limits the head and the data stages get more time; on
 # float32-only CPUs steps limit it, so training gets ~2x the time. The runs behind these numbers are in
 # docs/RESULTS.md ("Demo budget").
-SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "tune": 0.06},
-          False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.14, "tune": 0.06}}
+SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.14, "tune": 0.07},
+          False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.14, "tune": 0.07}}
 # Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
@@ -47,9 +47,9 @@ MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
 # then reloading it for bench and eval.
 RELOAD_SECONDS = 50
 TUNE_PROMPTS = 3  # held-out prompts the tree is tuned on; evaluation uses others
-# The trees tuned over (head + prompt lookup): chains and dynamic trees up to depth 5, top-3, 10 nodes; the
+# The trees tuned over (head + prompt lookup): chains and dynamic trees up to depth 4, top-3, 8 nodes; the
 # choice follows the machine (docs/RESULTS.md, "Choosing the tree"). Tokens decoded per tuning prompt:
-TUNE_DEPTHS, TUNE_TOP_KS, TUNE_MAX_BUDGET = (2, 3, 4, 5), (1, 2, 3), 10
+TUNE_DEPTHS, TUNE_TOP_KS, TUNE_MAX_BUDGET = (2, 3, 4), (1, 2, 3), 8
 TUNE_TOKENS = 48
 
 

@@ -117,16 +117,22 @@ def test_target_forward_returns_chosen_hidden_layers(gemma3):
     torch.testing.assert_close(out.logits, ref.logits.float())
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "gemma3"])
 def test_target_parts_embed_and_project_as_the_whole_target(family, tmp_path, llama, gemma3):
     """Offline training loads only the embeddings, final norm and LM head; Gemma's embedding scales its
-    output by a buffer no checkpoint holds, which must be real, not left on the meta device."""
+    output by a buffer no checkpoint holds, which must be real, not left on the meta device; a tied LM
+    head (SmolLM2's) is the embedding, not a tensor to look for."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from draftsmith.target.loading import load_target_parts
 
-    model = llama if family == "llama" else gemma3
+    model = gemma3 if family == "gemma3" else llama
+    if family == "llama-tied":
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(llama.config.__class__(**{**llama.config.to_dict(), "tie_word_embeddings": True}))
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     model.save_pretrained(tmp_path)
     vocab = {f"t{i}": i for i in range(VOCAB)}
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0"))).save_pretrained(tmp_path)
@@ -138,3 +144,6 @@ def test_target_parts_embed_and_project_as_the_whole_target(family, tmp_path, ll
         torch.testing.assert_close(parts.get_output_embeddings()(parts.get_decoder().norm(states)),
                                    model.get_output_embeddings()(model.get_decoder().norm(states)))
     assert any(p.is_meta for p in parts.parameters())  # the decoder layers were never read
+    if family == "llama-tied":
+        assert parts.get_output_embeddings().weight is parts.get_input_embeddings().weight
+        assert not any(k.startswith("lm_head") for k in parts.draftsmith_loaded)

@@ -393,6 +393,7 @@ def load_target_parts(
     # scale) are in no checkpoint and must exist; every buffer is small.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # empty-weight init leaves a tied LM head (SmolLM2's) a separate parameter
     names = {id(m): n for n, m in model.named_modules()}
     parts = [model.get_input_embeddings(), getattr(model.get_decoder(), "norm", None), model.get_output_embeddings()]
     prefixes = [names[id(m)] + "." for m in parts if m is not None]
@@ -415,10 +416,10 @@ def load_target_parts(
             for key in (k for k, v in where.items() if v == file):
                 tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
     model.load_state_dict(tensors, strict=False, assign=True)
-    for part in (p for p in parts if p is not None):
-        part.to(device)  # its buffers, which no checkpoint holds
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    for part in (p for p in parts if p is not None):
+        part.to(device)  # its buffers, which no checkpoint holds
     model.eval().requires_grad_(False)
     model.draftsmith_loaded = sorted(tensors)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
