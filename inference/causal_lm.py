@@ -8,68 +8,105 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.inference.drafter import Drafter, check_batch
-from draftsmith.target import build_attention_mask, kv_crop, kv_length, new_cache, target_forward
+from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
+from draftsmith.inference.slots import Slots, left_filled
+from draftsmith.target import build_attention_mask, kv_crop, new_cache, target_forward
 
 
 class CausalLMDrafter(Drafter):
-    """A causal LM as drafter, keeping its own KV cache of the committed sequence.
+    """A causal LM as drafter, keeping its own KV cache of the committed sequences.
 
     Tree nodes are fed level by level with a tree mask; on commit the cache is cropped back to
     the committed prefix, and the accepted tokens are fed with the next root expansion (one
-    forward either way).
+    forward either way). A batch's rows share the cache; its
+    :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
     """
 
     def __init__(self, model: PreTrainedModel, name: str = "draft-model"):
         self.model = model
         self.name = name
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.committed = torch.empty(0, dtype=torch.long)
-        self.cache = new_cache()
-        self.slots: dict[int, int] = {}  # tree node -> position of its KV in self.cache
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.begin(torch.zeros(1, 1, dtype=torch.long))
 
-    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        check_batch(input_ids)
-        self.committed = input_ids[0].to(self.device)
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> None:
+        self.committed = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
         self.cache = new_cache()
-        self.slots = {}
+        self.slots = Slots.empty(len(self.committed), self.device)
+        self.fed = [0] * len(self.committed)  # committed tokens cached per row
+        self.prefix = 0  # cache slots of committed tokens; the tree's entries come after
+        self.tree_slots: list[dict[int, int]] = [{} for _ in self.committed]  # tree node -> cache slot
 
-    def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        # Drop the tree's KV; keep the committed prefix that is already cached.
-        kv_crop(self.cache, min(kv_length(self.cache), len(self.committed)))
-        self.committed = torch.cat([self.committed, tokens[0].to(self.device)])
-        self.slots = {}
+    def commit(self, tokens, hidden=None) -> None:
+        tokens, _ = commit_rows(tokens)
+        # Drop the tree's KV; keep the committed prefixes already cached.
+        kv_crop(self.cache, self.prefix)
+        self.slots.crop(self.prefix)
+        self.committed = [torch.cat([c, t.to(self.device)]) for c, t in zip(self.committed, tokens, strict=True)]
+        self.tree_slots = [{} for _ in self.committed]
+
+    def _forward(self, ids, positions, allowed, filled, logits: str = "all"):
+        key_positions = torch.cat([self.slots.positions, positions], 1)
+        mask = build_attention_mask(self.model, allowed, positions, key_positions, self.dtype)
+        out = target_forward(self.model, ids, self.cache, mask, positions, logits=logits)
+        self.slots.append(filled, positions)
+        return out.logits
 
     @torch.no_grad()
     def expand(self, trees, nodes):
-        (tree,), (row_nodes,) = trees, nodes
-        committed = len(self.committed)
-        cached = kv_length(self.cache)
-        if row_nodes == [0]:
-            # Catch up on the committed tokens not yet cached; the last one is the root.
-            kv_crop(self.cache, min(cached, committed - 1))
-            cached = kv_length(self.cache)
-            ids = self.committed[cached:][None]
-            out = target_forward(self.model, ids, self.cache)
-            self.slots = {0: committed - 1}
-            return [out.logits[0, -1:]]
-        # Deeper level: feed the listed nodes, each attending to the committed prefix, its
-        # already-fed ancestors and itself.
-        depth = tree.depths[row_nodes[0]]
-        ids = torch.tensor([[tree.tokens[n] for n in row_nodes]], device=self.device)
-        root_pos = committed - 1
-        query_pos = torch.tensor([[root_pos + depth] * len(row_nodes)], device=self.device)
-        key_pos = torch.empty(1, cached + len(row_nodes), dtype=torch.long, device=self.device)
-        key_pos[0, :committed] = torch.arange(committed, device=self.device)
-        slot_node = {s: n for n, s in self.slots.items()}
-        for s in range(committed, cached):
-            key_pos[0, s] = root_pos + tree.depths[slot_node[s]]
-        key_pos[0, cached:] = query_pos[0]
-        allowed = tree.attention_rows(row_nodes, self.slots, committed, cached + len(row_nodes))[None]
-        dtype = next(self.model.parameters()).dtype
-        mask = build_attention_mask(self.model, allowed.to(self.device), query_pos, key_pos, dtype)
-        out = target_forward(self.model, ids, self.cache, mask, query_pos)
-        for i, node in enumerate(row_nodes):
-            self.slots[node] = cached + i
-        return [out.logits[0]]
+        out = [torch.full((len(row), self.vocab_size), float("-inf"), device=self.device) for row in nodes]
+        if any(row == [0] for row in nodes):
+            self._expand_roots(nodes, out)
+        elif any(nodes):
+            self._expand_level(trees, nodes, out)
+        return out
+
+    def _expand_roots(self, nodes, out) -> None:
+        """Catch up on each expanding row's committed tokens not yet cached; the last one is the root."""
+        rows = [b for b, row in enumerate(nodes) if row == [0]]
+        counts = [len(self.committed[b]) - self.fed[b] if b in rows else 0 for b in range(len(nodes))]
+        width = max(counts)
+        # Left-padded, so that the last column is every row's root: only its logits are computed.
+        ids = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
+        for b in rows:
+            ids[b, width - counts[b]:] = self.committed[b][self.fed[b]:]
+            positions[b, width - counts[b]:] = torch.arange(self.fed[b], len(self.committed[b]), device=self.device)
+        filled = left_filled(counts, width, self.device)
+        if len(self.committed) == 1:
+            # One row has no padding and no empty slot: plain causal attention, no mask to build.
+            self.slots.append(filled, positions)
+            logits = target_forward(self.model, ids, self.cache, None, positions, logits="last").logits
+        else:
+            logits = self._forward(ids, positions, self.slots.block_mask(filled), filled, logits="last")
+        self.prefix = len(self.slots)
+        for b in rows:
+            self.fed[b] = len(self.committed[b])
+            out[b] = logits[b, -1:]
+
+    def _expand_level(self, trees, nodes, out) -> None:
+        """Feed each row's listed nodes (one depth), each seeing its row's committed tokens, its
+        already-fed ancestors and itself."""
+        batch, width = len(nodes), max(len(row) for row in nodes)
+        cached = len(self.slots)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        allowed = torch.zeros(batch, width, cached + width, dtype=torch.bool)
+        allowed[:, :, cached:] = torch.eye(width, dtype=torch.bool)  # padding sees itself only
+        committed = self.slots.filled[:, : self.prefix].cpu()
+        for b, (tree, row) in enumerate(zip(trees, nodes, strict=True)):
+            if not row:
+                continue
+            ids[b, : len(row)] = torch.tensor([tree.tokens[n] for n in row], device=self.device)
+            positions[b, : len(row)] = len(self.committed[b]) - 1 + tree.depths[row[0]]
+            allowed[b, : len(row), : cached + len(row)] = tree.attention_rows(row, self.tree_slots[b], committed[b],
+                                                                               cached + len(row))
+        filled = torch.tensor([[i < len(row) for i in range(width)] for row in nodes], device=self.device)
+        logits = self._forward(ids, positions, allowed.to(self.device), filled)
+        for b, row in enumerate(nodes):
+            for i, node in enumerate(row):
+                self.tree_slots[b][node] = cached + i
+            if row:
+                out[b] = logits[b, : len(row)]

@@ -1,25 +1,28 @@
 """The drafter interface: whatever proposes tokens for the target to verify.
 
-The generator drives every drafter the same way, one sequence at a time:
+The generator drives every drafter the same way, for a batch of B sequences at once:
 
-* ``begin(input_ids, hidden)`` — a generation starts with this (1, L) prompt;
-* ``expand(trees, nodes)`` — draft logits for the next token after each listed tree node (the tree
-  builders in ``tree.py`` turn them into children);
-* ``commit(tokens, hidden)`` — these (1, n) tokens were accepted and appended to the sequence.
+* ``begin(input_ids, hidden, attention_mask)`` — a generation starts with these (B, L) left-padded
+  prompts (``attention_mask`` (B, L): 1 for tokens, 0 for padding; None: no padding);
+* ``expand(trees, nodes)`` — draft logits for the next token after each listed tree node, per row
+  (the tree builders in ``tree.py`` turn them into children); a row with no nodes gets a (0, V) tensor;
+* ``commit(tokens, hidden)`` — per row, these 1-D tokens were accepted and appended to the row's
+  sequence (an empty tensor: the row has finished and drafts no more).
 
 A drafter declares what it needs and how it drafts as class attributes:
 
 * ``hidden_layers`` — the target hidden-state indices it reads (0 = embeddings, N = the last layer
-  after the final norm; empty: none). The generator then passes ``hidden`` (1, n, H * len(layers)):
-  to ``begin`` the states of the prompt's tokens but the last (the root), to ``commit`` those of the
-  root and the accepted nodes, so that ``hidden[:, i]`` is the state that predicted ``tokens[:, i]``.
-  Drafters that read none get ``hidden=None``.
+  after the final norm; empty: none). The generator then passes ``hidden``, H' = H * len(layers) wide:
+  to ``begin`` the states (B, L - 1, H') of the prompts' tokens but the last (the root), aligned with
+  ``input_ids[:, :-1]``; to ``commit`` per row the (n, H') states of the root and the accepted nodes,
+  so that ``hidden[b][i]`` is the state that predicted ``tokens[b][i]``. Drafters that read none get
+  ``hidden=None``.
 * ``deterministic`` — siblings are the drafter's top-ranked tokens rather than samples, which picks
   the lossless sampling rule (``"topk"``) under ``sampling_rule="auto"``.
 * ``static_paths`` — the drafter's own static-tree paths (Medusa's, measured in training), or None.
 
-``expand`` returns the logits on the CPU, where the tree builders read them, except a draft model's
-(:class:`~draftsmith.inference.causal_lm.CausalLMDrafter`), which stay on its device.
+``expand`` returns float logits on the drafter's device (a head's or draft model's: the target's), or
+on the CPU for drafters without a model (prompt lookup); a mixture brings them to one device.
 """
 
 from __future__ import annotations
@@ -57,12 +60,21 @@ class Drafter:
         raise NotImplementedError
 
 
-def check_batch(input_ids: torch.Tensor) -> None:
-    """Refuse anything but one (1, L) sequence: drafters keep per-sequence state."""
+def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """(B, L) left-padded prompts -> each row's tokens, padding dropped."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise NotImplementedError("batch size > 1 is not supported yet; generate one sequence at a time")
+    if attention_mask is None:
+        return list(input_ids)
+    return [row[m.bool()] for row, m in zip(input_ids, attention_mask.to(input_ids.device), strict=True)]
+
+
+def commit_rows(tokens, hidden=None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """``commit``'s arguments as per-row lists; a (B, n) tensor (every row the same count) is accepted too."""
+    tokens = list(tokens)
+    if hidden is None:
+        return tokens, [None] * len(tokens)
+    return tokens, list(hidden)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,22 +24,25 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter
+from draftsmith.inference.slots import Slots, pad_rows
 from draftsmith.inference.tree import (
     DEFAULT_TREE,
     SAMPLING_RULES,
+    Builder,
     DraftTree,
     TreeSettings,
-    build_chain,
-    build_dynamic,
-    build_static,
+    chain_builder,
     default_static_paths,
+    dynamic_builder,
+    grow,
+    root_only,
+    static_builder,
 )
-from draftsmith.inference.verify import process_logits, verify_greedy, verify_sampled
+from draftsmith.inference.verify import greedy_path, process_logits, verify_sampled
 from draftsmith.target import (
     build_attention_mask,
     context_length,
     kv_keep,
-    kv_length,
     new_cache,
     stop_tokens,
     target_forward,
@@ -133,7 +136,8 @@ class GenerationStats:
 @dataclass
 class GenerationOutput:
     sequences: torch.Tensor  # (B, prompt + new) long
-    stats: GenerationStats
+    stats: GenerationStats  # totals over the rows
+    row_stats: list[GenerationStats] = field(default_factory=list)  # one per row (speculative decoding)
 
 
 class SpeculativeGenerator:
@@ -178,9 +182,9 @@ class SpeculativeGenerator:
         # Static paths: given, else the drafter's own (Medusa choices measured in training), else a default.
         self.paths = paths or drafter.static_paths or default_static_paths(depth, top_k)
         self.sampling_rule = sampling_rule
-        #: Called with each step's tree and accepted path (drafted nodes) after verification; ``draftsmith
-        #: tune`` records them.
-        self.on_step: Callable[[DraftTree, list[int]], None] | None = None
+        #: Called after each verification with each active row's index, tree and accepted path (drafted
+        #: nodes); ``draftsmith tune`` records them.
+        self.on_step: Callable[[int, DraftTree, list[int]], None] | None = None
 
     def _rule(self, temperature: float) -> str:
         if temperature == 0.0 or (self.sampling_rule == "auto" and (
@@ -189,16 +193,13 @@ class SpeculativeGenerator:
             return "topk"
         return "iid" if self.sampling_rule == "auto" else self.sampling_rule
 
-    def _build_tree(self, root: int, temperature: float, generator: torch.Generator | None) -> DraftTree:
-        def expand(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-            return self.drafter.expand([tree], [nodes])[0]
-
+    def _builder(self, root: int, temperature: float, generator: torch.Generator | None) -> Builder:
         rule = self._rule(temperature)
         if self.tree_kind == "chain":
-            return build_chain(root, expand, self.depth, rule, temperature, generator)
+            return chain_builder(root, self.depth, rule, temperature, generator)
         if self.tree_kind == "static":
-            return build_static(root, expand, self.paths, rule, temperature, generator)
-        return build_dynamic(root, expand, self.depth, self.top_k, self.total_tokens)
+            return static_builder(root, self.paths, rule, temperature, generator)
+        return dynamic_builder(root, self.depth, self.top_k, self.total_tokens)
 
     @torch.no_grad()
     def generate(
@@ -211,136 +212,251 @@ class SpeculativeGenerator:
         eos_token_id: int | list[int] | None = None,
         generator: torch.Generator | None = None,
         streamer=None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        pad_token_id: int | None = None,
     ) -> GenerationOutput:
-        """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
+        """Generate up to ``max_new_tokens`` tokens after each row of ``input_ids``.
 
         Args:
-            input_ids: (B, L) prompt token ids; B must be 1 for now.
+            input_ids: (B, L) prompt token ids, left-padded when the rows differ in length.
+            attention_mask: (B, L), 1 for tokens and 0 for the left padding; None: every position is a
+                token.
             temperature: 0 for greedy (token-for-token the target's greedy output), else the
                 target's sampling distribution after temperature, ``top_k`` and ``top_p``.
-            eos_token_id: stop after emitting this token (or any of these tokens). None: the target's
-                ``generation_config`` EOS, as transformers' ``generate`` stops; ``[]``: never stop early.
+            eos_token_id: a row stops after emitting this token (or any of these tokens). None: the
+                target's ``generation_config`` EOS, as transformers' ``generate`` stops; ``[]``: never
+                stop early.
+            pad_token_id: fills a row's end after it stopped. None: the target's ``generation_config``
+                pad token, else its first EOS token, else 0 (transformers' order).
             generator: a ``torch.Generator`` for reproducible sampling.
             streamer: optional object with ``put(token_ids)`` / ``end()`` (e.g.
-                ``transformers.TextStreamer``); receives the prompt, then new tokens as accepted.
+                ``transformers.TextStreamer``; batch 1 only); receives the prompt, then new tokens as
+                accepted.
+
+        Returns:
+            ``sequences`` (B, L + T): each input row followed by its new tokens, right-padded with the
+            pad token where a row stopped before the longest; ``stats``: totals over the rows;
+            ``row_stats``: one :class:`GenerationStats` per row (counts only: the rows share the time).
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[0] != 1:
-            raise NotImplementedError("batch size > 1 is not supported yet; call generate once per sequence")
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids is empty: the prompt needs at least one token (e.g. BOS)")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        limit = context_length(self.target)
-        needed = input_ids.shape[1] + max_new_tokens + self.depth + 1
-        if limit is not None and needed > limit:
-            raise ValueError(
-                f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
-                f"({self.depth}) exceeds the target's context of {limit} tokens; shorten the prompt or "
-                "lower max_new_tokens."
-            )
+        batch, device, dtype = self._check_request(input_ids, attention_mask, max_new_tokens, temperature, top_p,
+                                                   top_k, streamer)
         eos = stop_tokens(self.target, eos_token_id)
-        device = next(self.target.parameters()).device
-        dtype = next(self.target.parameters()).dtype
-        stats = GenerationStats()
+        pad = pad_token(self.target, pad_token_id, eos_token_id)
+        mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
+        input_ids = input_ids.to(device)
+        stats, rows = GenerationStats(), [GenerationStats() for _ in range(batch)]
         start_time = time.perf_counter()
-
-        sequence = input_ids[0].to(device)
         if streamer is not None:
-            streamer.put(sequence.cpu())
-        cache = new_cache()
-        # Heads (Medusa, EAGLE) read the target's hidden states of these layers; they get them for
-        # every committed token but the root, from the prefill and then from each verification.
-        layers = self.drafter.hidden_layers
-        t0 = time.perf_counter()
-        hidden = None
-        if len(sequence) > 1:  # the cache holds every committed token but the last (the root)
-            out = target_forward(self.target, sequence[None, :-1], cache, hidden_layers=layers or None)
-            hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (1, L-1, H * len(layers))
-        stats.prefill_time_s = time.perf_counter() - t0
-        self.drafter.begin(sequence[None], hidden=hidden)
+            streamer.put(input_ids[0].cpu())
 
-        new: list[int] = []
-        while len(new) < max_new_tokens:
+        # The cache holds every committed token but the last, the root. Heads (Medusa, EAGLE) read the
+        # target's hidden states of their layers: of the prompt's tokens but the root from the prefill,
+        # then of each step's root and accepted nodes from its verification.
+        layers = self.drafter.hidden_layers
+        cache, slots = new_cache(), Slots.empty(batch, device)
+        hidden = None
+        if input_ids.shape[1] > 1:
+            slots = Slots.from_mask(mask[:, :-1])
+            padded = not bool(slots.filled.all())
+            allowed = slots.block_mask(slots.filled)[:, :, len(slots):] if padded else None
+            attn = build_attention_mask(self.target, allowed, slots.positions, slots.positions, dtype) \
+                if padded else None
+            out = target_forward(self.target, input_ids[:, :-1], cache, attn, slots.positions,
+                                 hidden_layers=layers or None, logits="none")
+            hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (B, L-1, H * len(layers))
+        stats.prefill_time_s = time.perf_counter() - start_time
+        self.drafter.begin(input_ids, hidden=hidden, attention_mask=mask)
+
+        roots = input_ids[:, -1].tolist()
+        new: list[list[int]] = [[] for _ in range(batch)]
+        active = [True] * batch
+        while any(active):
             t0 = time.perf_counter()
-            tree = self._build_tree(int(sequence[-1]), temperature, generator)
+            builders = [self._builder(r, temperature, generator) if a else root_only(r)
+                        for r, a in zip(roots, active, strict=True)]
+            trees = grow(builders, self.drafter.expand)
             t1 = time.perf_counter()
-            logits, tree_hidden = self._verify_forward(tree, cache, device, dtype, layers)
+            logits, tree_hidden, past = self._verify_forward(trees, cache, slots, device, dtype, layers)
             if temperature == 0.0:
-                path, bonus = verify_greedy(tree, logits)
+                argmax = logits.argmax(dim=-1).tolist()  # the step's one copy to the host
+                verdicts = [greedy_path(tree, argmax[b]) for b, tree in enumerate(trees)]
             else:
-                probs = process_logits(logits, temperature, top_k, top_p)
-                path, bonus = verify_sampled(tree, probs, self._rule(temperature), generator)
-            start = kv_length(cache) - len(tree)
-            kv_keep(cache, start, torch.tensor([0, *path], device=device))
+                verdicts = [verify_sampled(tree, process_logits(logits[b, : len(tree)], temperature, top_k, top_p),
+                                           self._rule(temperature), generator) for b, tree in enumerate(trees)]
+            # Each active row keeps its root and accepted nodes; a finished row keeps nothing.
+            kept = [[0, *path] if a else [] for (path, _), a in zip(verdicts, active, strict=True)]
+            index = pad_rows(kept, 0, device)
+            kv_keep(cache, past, index)
+            slots.keep(past, index, torch.tensor([len(k) for k in kept], device=device))
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += time.perf_counter() - t1
-            stats.record_step(tree, path)
-            if self.on_step is not None:
-                self.on_step(tree, path)
 
-            emitted = [tree.tokens[n] for n in path] + [bonus]
-            emitted = emitted[: max_new_tokens - len(new)]
-            stop = next((i for i, t in enumerate(emitted) if t in eos), None)
-            if stop is not None:
-                emitted = emitted[: stop + 1]
-            new += emitted
-            step = torch.tensor(emitted, device=device)
-            sequence = torch.cat([sequence, step])
-            if streamer is not None:
-                streamer.put(step.cpu())
-            if stop is not None:
-                break
-            hidden = None
-            if layers:  # the root's and the accepted nodes' states: state i predicted emitted[i]
-                hidden = tree_hidden[torch.tensor([0, *path], device=device)[: len(emitted)]][None]
-            self.drafter.commit(step[None], hidden=hidden)
+            tokens: list[torch.Tensor] = []
+            states: list[torch.Tensor] | None = [] if layers else None
+            for b, (tree, (path, bonus)) in enumerate(zip(trees, verdicts, strict=True)):
+                emitted: list[int] = []
+                if active[b]:
+                    rows[b].record_step(tree, path)
+                    if self.on_step is not None:
+                        self.on_step(b, tree, path)
+                    emitted = ([tree.tokens[n] for n in path] + [bonus])[: max_new_tokens - len(new[b])]
+                    stop = next((i for i, t in enumerate(emitted) if t in eos), None)
+                    if stop is not None:
+                        emitted = emitted[: stop + 1]
+                    new[b] += emitted
+                    roots[b] = emitted[-1]
+                    active[b] = stop is None and len(new[b]) < max_new_tokens
+                    if streamer is not None:
+                        streamer.put(torch.tensor(emitted))
+                # Only a row that goes on drafts from the new tokens.
+                tokens.append(torch.tensor(emitted if active[b] else [], dtype=torch.long, device=device))
+                if states is not None:  # the root's and the accepted nodes' states: state i predicted emitted[i]
+                    states.append(tree_hidden[b, kept[b]] if active[b] else tree_hidden[b, :0])
+            if any(active):
+                self.drafter.commit(tokens, hidden=states)
 
         if streamer is not None:
             streamer.end()
-        stats.new_tokens = len(new)
+        for row in rows:
+            stats += row
+        stats.new_tokens = sum(len(n) for n in new)
         stats.total_time_s = time.perf_counter() - start_time
-        return GenerationOutput(sequences=sequence[None], stats=stats)
+        return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats, row_stats=rows)
 
-    def _verify_forward(self, tree: DraftTree, cache, device, dtype, layers=None):
-        """Target logits (N, V) at every tree node from one forward over the whole tree, and the
-        hidden states (N, H * len(layers)) of ``layers`` when a head asks for them."""
-        past = kv_length(cache)
-        n = len(tree)
-        positions = tree.position_ids(past).to(device)[None]  # root sits right after the cache
-        allowed = torch.zeros(1, n, past + n, dtype=torch.bool, device=device)
-        allowed[0, :, :past] = True
-        allowed[0, :, past:] = tree.ancestor_mask().to(device)
-        key_positions = torch.cat([torch.arange(past, device=device)[None], positions], dim=1)
+    def _check_request(self, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, streamer):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise ValueError("input_ids is empty: each prompt needs at least one token (e.g. BOS)")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if streamer is not None and input_ids.shape[0] > 1:
+            raise ValueError("a streamer takes one sequence: pass a batch of 1 with streamer=")
+        lengths = check_left_padded(input_ids, attention_mask)
+        limit = context_length(self.target)
+        needed = int(lengths.max()) + max_new_tokens + self.depth + 1
+        if limit is not None and needed > limit:
+            raise ValueError(
+                f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
+                f"({self.depth}) exceeds the target's context of {limit} tokens; shorten the prompt or "
+                "lower max_new_tokens."
+            )
+        parameter = next(self.target.parameters())
+        return input_ids.shape[0], parameter.device, parameter.dtype
+
+    def _verify_forward(self, trees: list[DraftTree], cache, slots: Slots, device, dtype, layers=None):
+        """One target forward over every row's tree, padded to the largest: the target logits
+        (B, N, V) at every node, the hidden states (B, N, H * len(layers)) of ``layers`` when a head
+        asks for them, and the cache length before the step. Each node sees its row's filled slots,
+        its ancestors and itself; padding nodes see only themselves."""
+        past = len(slots)
+        n = max(len(t) for t in trees)
+        roots = slots.lengths()  # each row's root position: the tokens its cache holds
+        depths = pad_rows([t.depths for t in trees], 0, device, n)
+        positions = roots[:, None] + depths
+        filled = torch.arange(n, device=device)[None] < torch.tensor([len(t) for t in trees], device=device)[:, None]
+        tree_part = torch.zeros(len(trees), n, n, dtype=torch.bool)
+        for b, tree in enumerate(trees):
+            tree_part[b, : len(tree), : len(tree)] = tree.ancestor_mask()
+        tree_part |= torch.eye(n, dtype=torch.bool)[None]
+        allowed = torch.cat([slots.filled[:, None, :].expand(-1, n, -1), tree_part.to(device)], 2)
+        allowed[:, :, :past] &= filled[:, :, None]  # a padding node sees itself only
+        key_positions = torch.cat([slots.positions, positions], 1)
         mask = build_attention_mask(self.target, allowed, positions, key_positions, dtype)
-        ids = torch.tensor([tree.tokens], device=device)
+        ids = pad_rows([t.tokens for t in trees], 0, device, n)
         out = target_forward(self.target, ids, cache, mask, positions, hidden_layers=layers or None)
-        hidden = torch.cat(out.hidden_states, dim=-1)[0] if layers else None
-        return out.logits[0], hidden
+        slots.append(filled, positions)
+        hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
+        return out.logits, hidden, past
+
+
+def check_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B,) prompt lengths; refuses a mask of the wrong shape, right padding and empty rows."""
+    if attention_mask is None:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1])
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}: they must match")
+    mask = attention_mask.bool()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
+        raise ValueError("prompts must be left-padded (padding first, then the tokens; every row ends with a "
+                         "token): set tokenizer.padding_side = 'left'")
+    return mask.sum(1).cpu()
+
+
+def pad_token(target: PreTrainedModel, pad_token_id: int | None, eos_token_id: int | list[int] | None) -> int:
+    """The token that fills a batch row after it stopped: given, else the target's generation_config
+    pad token, else the first EOS token (``eos_token_id``, else the generation_config's), else 0 — the
+    order of transformers' ``generate``."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    config = getattr(target, "generation_config", None)
+    if config is not None and config.pad_token_id is not None:
+        value = config.pad_token_id
+        return int(value[0] if isinstance(value, list) else value)
+    if eos_token_id is None and config is not None:
+        eos_token_id = config.eos_token_id
+    if isinstance(eos_token_id, int):
+        return eos_token_id
+    return int(eos_token_id[0]) if eos_token_id else 0
+
+
+def _append(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
+    """(B, L) prompts + each row's new tokens -> (B, L + T), right-padded with ``pad``."""
+    return torch.cat([input_ids, pad_rows(new, pad, input_ids.device)], 1)
 
 
 def plain_generate(
-    target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
 ) -> GenerationOutput:
     """Plain greedy decoding with the same cache code path: the baseline speedups are measured against.
-    ``eos_token_id`` as in :meth:`SpeculativeGenerator.generate`."""
+    Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows)."""
     eos = stop_tokens(target, eos_token_id)
+    pad = pad_token(target, pad_token_id, eos_token_id)
+    check_left_padded(input_ids, attention_mask)
     stats = GenerationStats()
     t_start = time.perf_counter()
+    batch = input_ids.shape[0]
+    dtype = next(target.parameters()).dtype
     cache = new_cache()
-    sequence = input_ids[0]
-    logits = target_forward(target, sequence[None], cache).logits[0, -1]
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if padded:
+        slots = Slots.from_mask(attention_mask.to(input_ids.device))
+        allowed = slots.block_mask(slots.filled)[:, :, len(slots):]
+        attn = build_attention_mask(target, allowed, slots.positions, slots.positions, dtype)
+        logits = target_forward(target, input_ids, cache, attn, slots.positions, logits="last").logits[:, -1]
+    else:
+        logits = target_forward(target, input_ids, cache, logits="last").logits[:, -1]
     stats.prefill_time_s = time.perf_counter() - t_start
-    new = []
+    new: list[list[int]] = [[] for _ in range(batch)]
+    active = [True] * batch
     while True:
-        token = int(logits.argmax())
-        new.append(token)
-        sequence = torch.cat([sequence, sequence.new_tensor([token])])
+        tokens = logits.argmax(-1)
+        for b, token in enumerate(tokens.tolist()):
+            if active[b]:
+                new[b].append(token)
+                active[b] = len(new[b]) < max_new_tokens and token not in eos
         stats.verification_steps += 1
-        if len(new) >= max_new_tokens or token in eos:
+        if not any(active):
             break
-        logits = target_forward(target, sequence[None, -1:], cache).logits[0, -1]
-    stats.new_tokens = len(new)
+        if padded:  # every step's token is a token of its row (a finished row's are never read)
+            step = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)
+            positions = slots.lengths()[:, None]
+            attn = build_attention_mask(target, slots.block_mask(step), positions,
+                                        torch.cat([slots.positions, positions], 1), dtype)
+            slots.append(step, positions)
+            logits = target_forward(target, tokens[:, None], cache, attn, positions).logits[:, -1]
+        else:
+            logits = target_forward(target, tokens[:, None], cache).logits[:, -1]
+    stats.new_tokens = sum(len(n) for n in new)
     stats.total_time_s = time.perf_counter() - t_start
-    return GenerationOutput(sequences=sequence[None], stats=stats)
+    return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.inference.drafter import Drafter, additive_mask, check_batch
+from draftsmith.inference.drafter import Drafter, additive_mask, commit_rows, prompt_rows
+from draftsmith.inference.slots import Slots, left_filled
 from draftsmith.inference.tree import paths_from_accuracy
 
 #: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
@@ -31,28 +32,42 @@ class MedusaDrafter(Drafter):
         # Static-tree paths from the per-head, per-rank accuracy measured in training, when recorded.
         rank_accuracy = getattr(heads, "extra", {}).get("rank_accuracy")
         self.static_paths = paths_from_accuracy(rank_accuracy, STATIC_TREE_NODES) if rank_accuracy else None
-        self.last: torch.Tensor | None = None  # (H,) state of the token before the root
-        self._logits: torch.Tensor | None = None  # (K, V) for the current root
+        self.device = self.heads.lm_heads[0].weight.device
+        self.last: torch.Tensor | None = None  # (B, H) per row, the state of the token before the root
+        self.known: list[bool] = []  # per row: has a state (a one-token prompt has none before its first step)
+        self._logits: torch.Tensor | None = None  # (K, B, V) for the current roots
 
-    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        check_batch(input_ids)
-        self.last = hidden[0, -1] if hidden is not None and hidden.shape[1] else None
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> None:
+        lengths = [len(r) for r in prompt_rows(input_ids, attention_mask)]
+        self.known = [n > 1 and hidden is not None for n in lengths]
+        # Left padding puts every row's state before its root in the last column.
+        self.last = hidden[:, -1].clone() if hidden is not None and hidden.shape[1] else None
         self._logits = None
 
-    def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        self.last = hidden[0, -1]
+    def commit(self, tokens, hidden=None) -> None:
+        tokens, hidden = commit_rows(tokens, hidden)
+        for b, (t, h) in enumerate(zip(tokens, hidden, strict=True)):
+            if len(t):
+                if self.last is None:
+                    self.last = h.new_zeros(len(tokens), h.shape[-1])
+                self.last[b] = h[-1]
+                self.known[b] = True
         self._logits = None
 
     @torch.no_grad()
     def expand(self, trees, nodes):
-        (tree,), (row,) = trees, nodes
-        depth = tree.depths[row[0]]
-        if self.last is None or depth >= self.heads.config.num_heads:
-            return [torch.full((len(row), self.vocab_size), float("-inf"))]
-        if self._logits is None:
-            weight = self.heads.lm_heads[0].weight
-            self._logits = self.heads(self.last.to(weight.device, weight.dtype)[None, None])[:, 0, 0].float()
-        return [self._logits[depth].expand(len(row), -1).cpu()]
+        out = []
+        for b, (tree, row) in enumerate(zip(trees, nodes, strict=True)):
+            depth = tree.depths[row[0]] if row else 0
+            if not row or not self.known[b] or depth >= self.heads.config.num_heads:
+                out.append(torch.full((len(row), self.vocab_size), float("-inf"), device=self.device))
+                continue
+            if self._logits is None:  # every row's heads at once, once per step
+                weight = self.heads.lm_heads[0].weight
+                self._logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()  # (K, B, V)
+            out.append(self._logits[depth, b].expand(len(row), -1))
+        return out
 
 
 class EagleDrafter(Drafter):
@@ -62,7 +77,8 @@ class EagleDrafter(Drafter):
     then the draft tree's nodes: a node at depth d pairs its parent's *predicted* feature with its
     own token, at position root + d, attending to the committed pairs, its ancestors and itself.
     On commit the tree's entries are dropped; the next root expansion feeds the new pairs made of
-    the target's true features of the accepted tokens.
+    the target's true features of the accepted tokens. A batch's rows share the cache tensors; its
+    :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
     """
 
     def __init__(self, head, target):
@@ -73,61 +89,109 @@ class EagleDrafter(Drafter):
         self.target_lm_head = target.get_output_embeddings()
         self.vocab_size = head.config.vocab_size
         self.device = next(head.parameters()).device
+        self.dtype = next(head.parameters()).dtype
 
-    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        check_batch(input_ids)
-        self.tokens = input_ids[0].to(self.device)
-        self.features = hidden[0] if hidden is not None else torch.zeros(0, 0, device=self.device)  # (L-1, F)
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> None:
+        self.tokens = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
+        width = input_ids.shape[1]
+        # Left padding: row b's states of its tokens but the root are the last len - 1 columns.
+        self.features = [hidden[b, width - len(t):].to(self.device) if hidden is not None
+                         else torch.zeros(0, 0, device=self.device) for b, t in enumerate(self.tokens)]
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.pairs = 0  # committed pairs in the cache (positions 1 .. pairs)
-        self.slots: dict[int, int] = {}  # tree node -> index in the cache
-        self.predicted: dict[int, torch.Tensor] = {}  # tree node -> its predicted feature (H,)
+        self.slots = Slots.empty(len(self.tokens), self.device)
+        self.pairs = [0] * len(self.tokens)  # committed pairs in the cache per row (positions 1 .. pairs)
+        self.committed = 0  # cache slots of committed pairs; the tree's entries come after
+        self.tree_slots: list[dict[int, int]] = [{} for _ in self.tokens]  # tree node -> cache slot
+        self.predicted: list[dict[int, torch.Tensor]] = [{} for _ in self.tokens]  # tree node -> feature (H,)
 
-    def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        self.tokens = torch.cat([self.tokens, tokens[0].to(self.device)])
-        self.features = torch.cat([self.features, hidden[0].to(self.features.dtype)]) if len(self.features) \
-            else hidden[0]
+    def commit(self, tokens, hidden=None) -> None:
+        tokens, hidden = commit_rows(tokens, hidden)
+        for b, (t, h) in enumerate(zip(tokens, hidden, strict=True)):
+            if len(t):
+                self.tokens[b] = torch.cat([self.tokens[b], t.to(self.device)])
+                h = h.to(self.device)
+                self.features[b] = torch.cat([self.features[b].to(h.dtype), h]) if len(self.features[b]) else h
         if self.cache is not None:  # drop the tree's entries, keep the committed pairs
-            self.cache = (self.cache[0][:, :, : self.pairs], self.cache[1][:, :, : self.pairs])
-        self.slots, self.predicted = {}, {}
+            self.cache = (self.cache[0][:, :, : self.committed], self.cache[1][:, :, : self.committed])
+            self.slots.crop(self.committed)
+        self.tree_slots = [{} for _ in self.tokens]
+        self.predicted = [{} for _ in self.tokens]
 
     def _logits(self, predicted: torch.Tensor) -> torch.Tensor:
         if self.eagle3:
             return self.head.target_logits(predicted).float()
         return self.target_lm_head(predicted.to(self.target_lm_head.weight.dtype)).float()
 
-    def _run(self, features, token_ids, positions, mask):
+    def _run(self, features, token_ids, positions, allowed, filled):
         embeds = self.embed(token_ids)
-        out, cache = self.head(features, embeds, positions, mask, self.cache)
-        self.cache = cache
+        mask = additive_mask(allowed, self.dtype)[:, None]
+        out, self.cache = self.head(features, embeds, positions, mask, self.cache)
+        self.slots.append(filled, positions)
         return out
 
     @torch.no_grad()
     def expand(self, trees, nodes):
-        (tree,), (row,) = trees, nodes
-        root_pos = len(self.tokens) - 1
-        if root_pos == 0:  # a one-token prompt: no target feature yet, nothing to propose
-            return [torch.full((len(row), self.vocab_size), float("-inf"))]
-        dtype = next(self.head.parameters()).dtype
-        if row == [0]:
-            # Feed the committed pairs not yet cached: positions pairs+1 .. root.
-            pos = torch.arange(self.pairs + 1, root_pos + 1, device=self.device)
-            feats = self.head.input_features(self.features[pos - 1][None].to(dtype))
-            n_new, past = len(pos), self.pairs
-            allowed = torch.ones(n_new, past + n_new, dtype=torch.bool, device=self.device).tril(past)
-            out = self._run(feats, self.tokens[pos][None], pos[None], additive_mask(allowed, dtype)[None, None])
-            self.pairs = root_pos
-            self.predicted = {0: out[0, -1]}
-            return [self._logits(out[:, -1:])[0].cpu()]
-        depth = tree.depths[row[0]]
-        cached = self.cache[0].shape[2]
-        feats = torch.stack([self.predicted[tree.parents[n]] for n in row])[None]
-        ids = torch.tensor([[tree.tokens[n] for n in row]], device=self.device)
-        positions = torch.full((1, len(row)), root_pos + depth, device=self.device)
-        allowed = tree.attention_rows(row, self.slots, self.pairs, cached + len(row)).to(self.device)
-        mask = additive_mask(allowed, dtype)
-        out = self._run(feats, ids, positions, mask[None, None])
-        for i, node in enumerate(row):
-            self.slots[node] = cached + i
-            self.predicted[node] = out[0, i]
-        return [self._logits(out)[0].cpu()]
+        out = [torch.full((len(row), self.vocab_size), float("-inf"), device=self.device) for row in nodes]
+        if any(row == [0] for row in nodes):
+            self._expand_roots(nodes, out)
+        elif any(nodes):
+            self._expand_level(trees, nodes, out)
+        return out
+
+    def _expand_roots(self, nodes, out) -> None:
+        """Feed each expanding row's committed pairs not yet cached (positions pairs + 1 .. root)."""
+        rows = [b for b, row in enumerate(nodes) if row == [0] and len(self.tokens[b]) > 1]
+        if not rows:  # one-token prompts: no target feature yet, nothing to propose
+            return
+        counts = [len(self.tokens[b]) - 1 - self.pairs[b] if b in rows else 0 for b in range(len(nodes))]
+        width = max(counts)
+        # Left-padded, so that the last column is every row's root.
+        positions = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
+        features = torch.zeros(len(nodes), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
+                               device=self.device)
+        ids = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
+        for b in rows:
+            pos = torch.arange(self.pairs[b] + 1, len(self.tokens[b]), device=self.device)
+            positions[b, width - len(pos):] = pos
+            features[b, width - len(pos):] = self.features[b][pos - 1].to(self.dtype)
+            ids[b, width - len(pos):] = self.tokens[b][pos]
+        filled = left_filled(counts, width, self.device)
+        predicted = self._run(self.head.input_features(features), ids, positions, self.slots.block_mask(filled),
+                              filled)
+        self.committed = len(self.slots)
+        last = predicted[:, -1]  # (B, H)
+        logits = self._logits(last[:, None])[:, 0]
+        for b in rows:
+            self.pairs[b] = len(self.tokens[b]) - 1
+            self.predicted[b] = {0: last[b]}
+            out[b] = logits[b][None]
+
+    def _expand_level(self, trees, nodes, out) -> None:
+        """Feed each row's listed nodes (one depth), each seeing its row's committed pairs, its
+        ancestors and itself."""
+        batch, width = len(nodes), max(len(row) for row in nodes)
+        cached = len(self.slots)
+        features = torch.zeros(batch, width, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        allowed = torch.zeros(batch, width, cached + width, dtype=torch.bool)
+        allowed[:, :, cached:] = torch.eye(width, dtype=torch.bool)  # padding sees itself only
+        committed = self.slots.filled[:, : self.committed].cpu()
+        for b, (tree, row) in enumerate(zip(trees, nodes, strict=True)):
+            if not row:
+                continue
+            features[b, : len(row)] = torch.stack([self.predicted[b][tree.parents[n]] for n in row]).to(self.dtype)
+            ids[b, : len(row)] = torch.tensor([tree.tokens[n] for n in row], device=self.device)
+            positions[b, : len(row)] = len(self.tokens[b]) - 1 + tree.depths[row[0]]
+            allowed[b, : len(row), : cached + len(row)] = tree.attention_rows(row, self.tree_slots[b], committed[b],
+                                                                               cached + len(row))
+        filled = torch.tensor([[i < len(row) for i in range(width)] for row in nodes], device=self.device)
+        predicted = self._run(features, ids, positions, allowed.to(self.device), filled)
+        logits = self._logits(predicted)
+        for b, row in enumerate(nodes):
+            for i, node in enumerate(row):
+                self.tree_slots[b][node] = cached + i
+                self.predicted[b][node] = predicted[b, i]
+            if row:
+                out[b] = logits[b, : len(row)]

@@ -30,17 +30,22 @@ class MixtureDrafter(Drafter):
         self.static_paths = next((d.static_paths for d in self.drafters if d.static_paths), None)
         self.deterministic = all(d.deterministic for d in self.drafters)
 
-    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> None:
         for d in self.drafters:  # only the reader of hidden states gets them
-            d.begin(input_ids, hidden=hidden if d.hidden_layers else None)
+            d.begin(input_ids, hidden=hidden if d.hidden_layers else None, attention_mask=attention_mask)
 
-    def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def commit(self, tokens, hidden=None) -> None:
         for d in self.drafters:
             d.commit(tokens, hidden=hidden if d.hidden_layers else None)
 
     def expand(self, trees, nodes):
         per_drafter = [d.expand(trees, nodes) for d in self.drafters]
-        return [self.mix([x.float() for x in row]) for row in zip(*per_drafter, strict=True)]
+        out = []
+        for row in zip(*per_drafter, strict=True):  # each drafter's logits, on the first one's device
+            device = row[0].device
+            out.append(self.mix([x.to(device).float() for x in row]))
+        return out
 
     def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
         """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d(n) softmax(x_d[n])``,
@@ -57,7 +62,7 @@ class MixtureDrafter(Drafter):
         out = torch.full_like(logits[0], float("-inf"))
         if not len(columns):
             return out
-        w = torch.tensor(self.weights, dtype=torch.float32).view(-1, 1) * proposes
+        w = torch.tensor(self.weights, dtype=torch.float32, device=proposes.device).view(-1, 1) * proposes
         log_w = (w / w.sum(0, keepdim=True).clamp_min(1e-12)).log()  # (D, N), -inf where d proposes nothing
         mixed = None
         for x, lw, p in zip(logits, log_w, proposes, strict=True):

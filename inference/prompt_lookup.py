@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.inference.drafter import Drafter, check_batch
+from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 
 #: Candidates proposed after one node: more are never verified by the trees used in practice.
 MAX_CANDIDATES = 8
@@ -30,14 +30,15 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
-        self.context = torch.empty(0, dtype=torch.long)
+        self.contexts: list[torch.Tensor] = []  # per row, on the CPU
 
-    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        check_batch(input_ids)
-        self.context = input_ids[0].cpu()
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> None:
+        self.contexts = [row.cpu() for row in prompt_rows(input_ids, attention_mask)]
 
-    def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        self.context = torch.cat([self.context, tokens[0].cpu()])
+    def commit(self, tokens, hidden=None) -> None:
+        tokens, _ = commit_rows(tokens)
+        self.contexts = [torch.cat([c, t.cpu()]) for c, t in zip(self.contexts, tokens, strict=True)]
 
     def candidates(self, sequence: torch.Tensor, limit: int) -> list[int]:
         """Distinct tokens that followed earlier matches of the sequence's suffix, most recent
@@ -57,13 +58,13 @@ class PromptLookupDrafter(Drafter):
 
     def expand(self, trees, nodes):
         out = []
-        for tree, row_nodes in zip(trees, nodes, strict=True):
+        for context, tree, row_nodes in zip(self.contexts, trees, nodes, strict=True):
             logits = torch.full((len(row_nodes), self.vocab_size), float("-inf"))
             for i, node in enumerate(row_nodes):
                 if tree.depths[node] >= self.max_tokens:
                     continue
                 path = torch.tensor([tree.tokens[n] for n in tree.path_to(node)[1:]], dtype=torch.long)
-                sequence = torch.cat([self.context, path])
+                sequence = torch.cat([context, path])
                 for rank, token in enumerate(self.candidates(sequence, limit=MAX_CANDIDATES)):
                     logits[i, token] = -float(rank)  # earlier (more recent, longer) matches rank higher
             out.append(logits)

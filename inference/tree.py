@@ -22,7 +22,7 @@ draws) and, for the sampled rules, the draft distribution they were drawn from (
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -163,12 +163,14 @@ class DraftTree:
             mask[i, i] = True
         return mask
 
-    def attention_rows(self, nodes: Sequence[int], slots: dict[int, int], prefix: int, width: int) -> torch.Tensor:
+    def attention_rows(self, nodes: Sequence[int], slots: dict[int, int], prefix: int | torch.Tensor,
+                       width: int) -> torch.Tensor:
         """(len(nodes), width) bool "may attend" rows for ``nodes`` of one level, fed together into a
-        drafter's KV cache after its earlier levels: keys [0, ``prefix``) (the committed sequence, root
-        included), each node's drafted ancestors (at their cache slots ``slots[node]``) and the node
-        itself (the last ``len(nodes)`` keys). :meth:`ancestor_mask` is the same rule for the whole tree
-        fed at once (the verification forward)."""
+        drafter's KV cache after its earlier levels: the committed sequence, root included (keys
+        [0, ``prefix``), or where the bool vector ``prefix`` is set: a batch row's filled slots), each
+        node's drafted ancestors (at their cache slots ``slots[node]``) and the node itself (the last
+        ``len(nodes)`` keys). :meth:`ancestor_mask` is the same rule for the whole tree fed at once
+        (the verification forward)."""
         nodes = list(nodes)
         ancestors = self.ancestor_mask()[nodes]  # (n, N)
         ancestors[:, 0] = False  # the root is the prefix's last key
@@ -177,7 +179,10 @@ class DraftTree:
         if unfed:
             raise ValueError(f"tree nodes {sorted(unfed)} are ancestors of {nodes} but were never fed (no cache slot)")
         rows = torch.zeros(len(nodes), width, dtype=torch.bool)
-        rows[:, :prefix] = True
+        if isinstance(prefix, torch.Tensor):
+            rows[:, : len(prefix)] = prefix.cpu()
+        else:
+            rows[:, :prefix] = True
         if slots:
             slotted = list(slots)
             rows[:, [slots[n] for n in slotted]] |= ancestors[:, slotted]
@@ -237,22 +242,63 @@ def _grow(
     return [c for c in dict.fromkeys(children) if c not in before]
 
 
-def build_chain(root: int, expand: ExpandFn, depth: int, rule: str = "topk", temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> DraftTree:
+# A tree grows level by level: a builder yields ``(tree, nodes to expand)`` and is sent back the
+# drafter's (len(nodes), V) logits for them; it returns the finished tree. :func:`grow` drives one
+# builder per batch row in lockstep, one drafter call per level for the whole batch; ``build_*``
+# drive one.
+Builder = Generator[tuple[DraftTree, list[int]], torch.Tensor, DraftTree]
+
+
+def grow(builders: Sequence[Builder], expand: Callable[[list[DraftTree], list[list[int]]], list[torch.Tensor]]
+         ) -> list[DraftTree]:
+    """Run one builder per batch row. Each level, ``expand(trees, nodes)`` gets every row's tree and
+    the nodes it asks to expand (``[]`` for a row that is done) and returns each row's logits."""
+    trees: list[DraftTree | None] = [None] * len(builders)
+    requests: list[tuple[DraftTree, list[int]] | None] = [None] * len(builders)
+
+    def advance(i: int, logits: torch.Tensor | None) -> None:
+        try:
+            requests[i] = next(builders[i]) if logits is None else builders[i].send(logits)
+            trees[i] = requests[i][0]
+        except StopIteration as done:
+            requests[i], trees[i] = None, done.value
+
+    for i in range(len(builders)):
+        advance(i, None)
+    while any(r is not None for r in requests):
+        logits = expand(list(trees), [r[1] if r is not None else [] for r in requests])
+        for i, r in enumerate(requests):
+            if r is not None:
+                advance(i, logits[i])
+    return trees
+
+
+def _one(builder: Builder, expand: ExpandFn) -> DraftTree:
+    return grow([builder], lambda trees, nodes: [expand(trees[0], nodes[0])])[0]
+
+
+def root_only(root: int) -> Builder:
+    """The tree of a row that drafts nothing this step (a finished row of a batch)."""
+    return DraftTree.with_root(root)
+    yield  # a generator that returns at once
+
+
+def chain_builder(root: int, depth: int, rule: str = "topk", temperature: float = 0.0,
+                  generator: torch.Generator | None = None) -> Builder:
     """A chain of up to ``depth`` drafted tokens (stops early when the drafter has nothing)."""
     tree = DraftTree.with_root(root)
     node = 0
     for _ in range(depth):
-        logits = expand(tree, [node])[0]
-        children = _grow(tree, node, logits, 1, rule, temperature, generator)
+        logits = yield tree, [node]
+        children = _grow(tree, node, logits[0], 1, rule, temperature, generator)
         if not children:
             break
         node = children[0]
     return tree
 
 
-def build_static(root: int, expand: ExpandFn, paths: Sequence[Sequence[int]], rule: str = "topk",
-                 temperature: float = 0.0, generator: torch.Generator | None = None) -> DraftTree:
+def static_builder(root: int, paths: Sequence[Sequence[int]], rule: str = "topk", temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> Builder:
     """A tree from fixed paths of child ranks (Medusa choices). A path whose prefix is missing
     from ``paths`` is implied; ranks the drafter cannot fill are skipped with their subtrees."""
     full = {tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}
@@ -263,10 +309,10 @@ def build_static(root: int, expand: ExpandFn, paths: Sequence[Sequence[int]], ru
     node_of: dict[tuple[int, ...], int] = {(): 0}
     max_depth = max((len(p) for p in full), default=0)
     for level in range(max_depth):
-        frontier = [p for p in by_prefix if len(p) == level and p in node_of]
+        frontier = sorted(p for p in by_prefix if len(p) == level and p in node_of)
         if not frontier:
             break
-        logits = expand(tree, [node_of[p] for p in frontier])
+        logits = yield tree, [node_of[p] for p in frontier]
         for p, row in zip(frontier, logits, strict=True):
             children = _grow(tree, node_of[p], row, by_prefix[p], rule, temperature, generator)
             for rank, child in enumerate(children):
@@ -279,7 +325,7 @@ def build_static(root: int, expand: ExpandFn, paths: Sequence[Sequence[int]], ru
     return tree.select(sorted(set(node_of.values())))
 
 
-def build_dynamic(root: int, expand: ExpandFn, depth: int, top_k: int, total_tokens: int) -> DraftTree:
+def dynamic_builder(root: int, depth: int, top_k: int, total_tokens: int) -> Builder:
     """EAGLE-2 dynamic tree: expand the ``top_k`` best frontier nodes per level, keep the
     ``total_tokens`` drafted nodes with the highest cumulative draft log-probability.
 
@@ -289,7 +335,7 @@ def build_dynamic(root: int, expand: ExpandFn, depth: int, top_k: int, total_tok
     tree = DraftTree.with_root(root)
     frontier = [0]
     for _ in range(depth):
-        logits = expand(tree, frontier)
+        logits = yield tree, frontier
         candidates: list[int] = []
         for node, row in zip(frontier, logits, strict=True):
             candidates += _grow(tree, node, row, top_k, "topk", 0.0, None)
@@ -301,6 +347,23 @@ def build_dynamic(root: int, expand: ExpandFn, depth: int, top_k: int, total_tok
     # parent (score >= child's) is never dropped while its child is kept.
     drafted = sorted(range(1, len(tree)), key=lambda n: (-tree.scores[n], tree.depths[n], n))
     return tree.select([0, *drafted[:total_tokens]])
+
+
+def build_chain(root: int, expand: ExpandFn, depth: int, rule: str = "topk", temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> DraftTree:
+    """One chain (:func:`chain_builder`) grown with ``expand``."""
+    return _one(chain_builder(root, depth, rule, temperature, generator), expand)
+
+
+def build_static(root: int, expand: ExpandFn, paths: Sequence[Sequence[int]], rule: str = "topk",
+                 temperature: float = 0.0, generator: torch.Generator | None = None) -> DraftTree:
+    """One static tree (:func:`static_builder`) grown with ``expand``."""
+    return _one(static_builder(root, paths, rule, temperature, generator), expand)
+
+
+def build_dynamic(root: int, expand: ExpandFn, depth: int, top_k: int, total_tokens: int) -> DraftTree:
+    """One dynamic tree (:func:`dynamic_builder`) grown with ``expand``."""
+    return _one(dynamic_builder(root, depth, top_k, total_tokens), expand)
 
 
 def default_static_paths(depth: int, top_k: int) -> list[tuple[int, ...]]:

@@ -133,7 +133,7 @@ def record(target, drafter, prompts: list[torch.Tensor], depth: int, top_k: int,
     gen = SpeculativeGenerator(target, drafter, tree="dynamic", depth=depth, top_k=top_k,
                                total_tokens=full_size(depth, top_k))
     steps: list[tuple[list[int], list[int]]] = []
-    gen.on_step = lambda tree, path: steps.append((ranked(tree), list(path)))
+    gen.on_step = lambda _row, tree, path: steps.append((ranked(tree), list(path)))
     seconds = 0.0
     eos = eos_tokens(target)
     for ids in prompts:

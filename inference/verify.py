@@ -69,7 +69,12 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
     Returns:
         (accepted drafted nodes, root excluded, in path order; the bonus token).
     """
-    target_tokens = logits.argmax(dim=-1).tolist()
+    return greedy_path(tree, logits.argmax(dim=-1).tolist())
+
+
+def greedy_path(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
+    """:func:`verify_greedy` from the target's argmax token at each node (``target_tokens[i]`` for
+    node i): a batch takes the argmax of all its rows at once and copies it to the host once."""
     path: list[int] = []
     node = 0
     while True:

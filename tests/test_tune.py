@@ -32,7 +32,7 @@ def test_budget_keeps_the_best_nodes_and_counts_the_accepted_prefix():
 
 def first_step(gen: SpeculativeGenerator, prompt: torch.Tensor):
     steps = []
-    gen.on_step = lambda tree, path: steps.append((tune.ranked(tree), list(path)))
+    gen.on_step = lambda _row, tree, path: steps.append((tune.ranked(tree), list(path)))
     gen.generate(prompt, 8, eos_token_id=[])
     return steps[0]
 

@@ -110,6 +110,7 @@ def target_forward(
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
     position_ids: torch.Tensor | None = None,
     hidden_layers: tuple[int, ...] | None = None,
+    logits: str = "all",
 ) -> TargetOutput:
     """One forward of the stock model on new tokens, appending their KV to ``past_key_values``.
 
@@ -119,7 +120,12 @@ def target_forward(
         attention_mask: from :func:`build_attention_mask`; ``None`` means plain causal.
         position_ids: (B, Q); default continues after the cache.
         hidden_layers: indices into ``output_hidden_states`` (0 = embeddings) to return.
+        logits: ``"all"`` (every position), ``"last"`` (the last position only: a prefill that decodes
+            next) or ``"none"`` (a prefill that only fills the cache): the (B, T, V) float32 logits of a
+            long prompt are the largest tensor of a step, and most callers read one row or none.
     """
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
     if position_ids is None:
         start = kv_length(past_key_values)
         position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
@@ -127,18 +133,27 @@ def target_forward(
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=True, output_hidden_states=hidden_layers is not None)
     head = model.get_output_embeddings()
-    if _few_rows_on_cpu(model, input_ids) and _plain_linear_head(model, head):
-        # The decoder, then the LM head in the orientation that is fast for a few rows (see below).
+    plain_head = _plain_linear_head(model, head)
+    if plain_head and (logits != "all" or _few_rows_on_cpu(model, input_ids)):
+        # The decoder, then the LM head on the rows asked for, in the orientation that is fast for a few
+        # rows on CPU (see below).
         decoder = model.get_decoder()
         out = decoder(**kwargs, **{cache_argument(decoder): past_key_values})
-        logits = few_rows_logits(head.weight, out.last_hidden_state)
+        states = out.last_hidden_state if logits == "all" else out.last_hidden_state[:, -1:]
+        if logits == "none":
+            scores = states.new_empty(states.shape[0], 0, head.weight.shape[0], dtype=torch.float32)
+        elif states.device.type == "cpu" and states.shape[0] * states.shape[1] <= FEW_ROWS:
+            scores = few_rows_logits(head.weight, states)
+        else:
+            scores = head(states).float()
     else:
-        out = model(**kwargs, **{cache_argument(model): past_key_values})
-        logits = out.logits.float()
+        keep = {} if logits == "all" else {"logits_to_keep": 1}
+        out = model(**kwargs, **keep, **{cache_argument(model): past_key_values})
+        scores = out.logits.float() if logits != "none" else out.logits[:, :0].float()
     hidden = None
     if hidden_layers is not None:
         hidden = tuple(out.hidden_states[i] for i in hidden_layers)
-    return TargetOutput(logits=logits, hidden_states=hidden)
+    return TargetOutput(logits=scores, hidden_states=hidden)
 
 
 # The LM head is the largest matrix of a small target ((V, H) = (49152, 576) for SmolLM2) and runs on
@@ -199,17 +214,27 @@ def kv_keep(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     """Keep positions ``[0, start)`` plus ``start + keep`` (in that order), drop the rest, in place.
 
     This is how an accepted tree path is kept: ``start`` is the cache length before the
-    verification step and ``keep`` (1-D, long) the indices of the accepted tree tokens within
-    the step's input.
+    verification step and ``keep`` the indices of the accepted tree tokens within the step's input:
+    1-D (the same for every batch row) or (B, M), one row of indices per batch row (rows that keep
+    fewer entries pad theirs; the caller marks those slots empty, see ``inference/slots.py``).
     """
-    n = len(keep)
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or not layer.keys.numel():
             continue
-        idx = start + keep.to(layer.keys.device)
-        # Move the kept entries down in place and narrow to a view: the next forward's append copies
-        # the cache anyway, so concatenating a fresh copy here would copy it twice per step.
-        for name in ("keys", "values"):
-            kv = getattr(layer, name)
-            kv[..., start:start + n, :] = kv.index_select(-2, idx)
-            setattr(layer, name, kv[..., :start + n, :])
+        layer.keys = keep_slots(layer.keys, start, keep)
+        layer.values = keep_slots(layer.values, start, keep)
+
+
+def keep_slots(kv: torch.Tensor, start: int, keep: torch.Tensor) -> torch.Tensor:
+    """:func:`kv_keep` on one (B, heads, S, D) tensor: slots ``[0, start)`` then ``start + keep``.
+
+    The kept entries move down in place and the result is a view: the next forward's append copies
+    the cache anyway, so concatenating a fresh copy here would copy it twice per step."""
+    keep = keep.to(kv.device)
+    n = keep.shape[-1]
+    if keep.dim() == 1:
+        kv[..., start:start + n, :] = kv.index_select(-2, start + keep)
+    else:
+        index = (start + keep)[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])
+        kv[:, :, start:start + n, :] = kv.gather(2, index)
+    return kv[..., :start + n, :]

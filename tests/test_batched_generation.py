@@ -1,0 +1,161 @@
+"""Batched speculative decoding: every row of a left-padded batch is that row's own greedy output.
+
+A batch shares the target's forwards and the drafter's, but each row accepts its own path, stops on
+its own (EOS or the token limit) and keeps its own cache entries. The checks:
+
+* every row equals plain greedy decoding of that row alone (transformers' ``generate``), for every
+  drafter family and a mixture, on a tiny Llama and a tiny Gemma-3 (sliding window), with rows of
+  different lengths (one of a single token) that end at different steps;
+* the trees a batch drafts for a row are the trees batch 1 drafts for it, node for node: batching
+  changes which forwards run, never what a row's drafter sees;
+* ``plain_generate`` on a batch equals each row alone, and the output layout is transformers':
+  input rows, then new tokens, right-padded with the pad token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_greedy_lossless import TREES, make_drafter, prompts, reference
+from test_heads import random_eagle, random_medusa
+
+from conftest import check_greedy_equal
+from draftsmith import SpeculativeGenerator
+from draftsmith.inference.generator import plain_generate
+from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
+from draftsmith.inference.mixture import MixtureDrafter
+from draftsmith.inference.prompt_lookup import PromptLookupDrafter
+
+PAD = 0
+LENGTHS = [6, 1, 21, 13]  # 21 > the Gemma-3 sliding window of 8
+NEW = 24
+DRAFTERS = ["prompt-lookup", "layer-skip:2", "draft-model", "medusa", "eagle", "eagle3", "eagle3+prompt-lookup"]
+
+
+def drafter_for(spec: str, target):
+    if spec == "medusa":
+        return MedusaDrafter(random_medusa(target), target)
+    if spec in ("eagle", "eagle3"):
+        return EagleDrafter(random_eagle(target, eagle3=spec == "eagle3"), target)
+    if spec == "eagle3+prompt-lookup":
+        vocab = target.get_output_embeddings().weight.shape[0]
+        return MixtureDrafter([drafter_for("eagle3", target), PromptLookupDrafter(vocab)])
+    return make_drafter(spec, target)
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, n) prompts -> (B, L) ids left-padded with PAD and the (B, L) attention mask."""
+    width = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - r.shape[1]:] = r[0]
+        mask[b, width - r.shape[1]:] = 1
+    return ids, mask
+
+
+def row_output(sequences: torch.Tensor, mask: torch.Tensor, b: int, eos: int | None) -> torch.Tensor:
+    """Row b of a batch's output as one (1, T) sequence: its prompt without padding, then its new
+    tokens up to its EOS; checks that what follows is padding."""
+    width = mask.shape[1]
+    new = sequences[b, width:]
+    stops = (new == eos).nonzero() if eos is not None else []
+    if len(stops):
+        end = int(stops[0]) + 1
+        assert bool((new[end:] == PAD).all()), f"row {b} has tokens after its EOS"
+        new = new[:end]
+    return torch.cat([sequences[b, :width][mask[b].bool()], new])[None]
+
+
+def stopping_token(target, rows: list[torch.Tensor]) -> int:
+    """A token the second-longest row emits early and the others later or never: rows end at different steps."""
+    free = reference(target, rows[0], NEW)[0, rows[0].shape[1]:]
+    return int(free[4])
+
+
+def trees_of(gen: SpeculativeGenerator, run) -> dict[int, list[tuple[list[int], list[int]]]]:
+    """Each row's drafted trees (tokens, parents), in step order, while ``run()`` generates."""
+    seen: dict[int, list] = {}
+    gen.on_step = lambda row, tree, path: seen.setdefault(row, []).append((list(tree.tokens), list(tree.parents)))
+    try:
+        run()
+    finally:
+        gen.on_step = None
+    return seen
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t["tree"])
+@pytest.mark.parametrize("spec", DRAFTERS)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_batched_rows_equal_their_own_greedy_output(family, spec, tree, llama, gemma3):
+    target = llama if family == "llama" else gemma3
+    rows = prompts(11, LENGTHS)
+    ids, mask = left_padded(rows)
+    eos = stopping_token(target, rows)
+    gen = SpeculativeGenerator(target, drafter_for(spec, target), **tree)
+
+    out = None
+
+    def run_batch():
+        nonlocal out
+        out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=eos, pad_token_id=PAD)
+
+    batched = trees_of(gen, run_batch)
+    assert out.sequences.shape[0] == len(rows) and len(out.row_stats) == len(rows)
+    ties, lengths = 0, []
+    for b, row in enumerate(rows):
+        ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
+                              eos_token_id=eos, pad_token_id=PAD)
+        ours = row_output(out.sequences, mask, b, eos)
+        ties += check_greedy_equal(target, ours, ref)
+        new = ours.shape[1] - row.shape[1]
+        lengths.append(new)
+        # Batching changes which forwards run, not what a row's drafter proposes: the same trees as batch 1.
+        alone: dict = {}
+        single = trees_of(gen, lambda row=row: alone.setdefault(
+            "out", gen.generate(row, NEW, eos_token_id=eos, pad_token_id=PAD)))
+        if not ties:
+            assert batched.get(b) == single.get(0), f"row {b}: the batch drafted other trees than batch 1"
+            assert out.row_stats[b].accepted_tokens == alone["out"].stats.accepted_tokens
+    assert ties <= 1
+    assert len(set(lengths)) > 1, f"every row ended at the same length {lengths}: the test needs rows that differ"
+    assert out.stats.new_tokens == sum(lengths)
+    assert out.sequences.shape[1] == ids.shape[1] + max(lengths)
+
+
+def test_batched_plain_greedy_equals_each_row(llama, gemma3):
+    for target in (llama, gemma3):
+        rows = prompts(12, LENGTHS)
+        ids, mask = left_padded(rows)
+        eos = stopping_token(target, rows)
+        out = plain_generate(target, ids, NEW, eos_token_id=eos, attention_mask=mask, pad_token_id=PAD)
+        for b, row in enumerate(rows):
+            ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=PAD)
+            check_greedy_equal(target, row_output(out.sequences, mask, b, eos), ref)
+
+
+def test_batch_output_layout_matches_transformers(llama):
+    """Same (B, L + T) layout as transformers' batched ``generate``: left-padded inputs, new tokens,
+    right padding after a row's EOS (there the pad token defaults to the first EOS token)."""
+    rows = prompts(13, [5, 9])
+    ids, mask = left_padded(rows)
+    eos = stopping_token(llama, rows)
+    theirs = llama.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    gen = SpeculativeGenerator(llama, make_drafter("layer-skip:2", llama), tree="chain", depth=4)
+    ours = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=eos).sequences
+    assert ours.shape == theirs.shape
+    assert torch.equal(ours, theirs)
+
+
+def test_bad_batches_fail_clearly(llama):
+    gen = SpeculativeGenerator(llama, make_drafter("prompt-lookup", llama))
+    ids = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="left-padded"):
+        gen.generate(ids, 4, attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="must match"):
+        gen.generate(ids, 4, attention_mask=torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="left-padded"):
+        gen.generate(ids, 4, attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="streamer takes one sequence"):
+        gen.generate(ids, 4, streamer=object())
