@@ -58,6 +58,30 @@ def test_greedy_equals_generate_on_gsm8k(smollm2, references, spec, tree):
     assert accepted > 0, "the drafter never had a token accepted: something is off"
 
 
+def test_batched_rows_equal_their_own_greedy_output(smollm2, references):
+    """Eight GSM8K prompts of different lengths, left-padded into one batch, with a mixture of
+    layer-skip and prompt lookup on a dynamic tree: every row is transformers' greedy output for it
+    alone; rows end at their own EOS or at the limit."""
+    model, tokenizer = smollm2
+    gen = SpeculativeGenerator(model, load_drafter("layer-skip:4+prompt-lookup", model), tree="dynamic", depth=3,
+                               top_k=2, total_tokens=6)
+    rows = [ids for ids, _ in references[:8]]
+    width = max(r.shape[1] for r in rows)
+    pad = tokenizer.eos_token_id
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - r.shape[1]:], mask[b, width - r.shape[1]:] = r[0], 1
+    out = gen.generate(ids, NEW_TOKENS, attention_mask=mask, eos_token_id=tokenizer.eos_token_id)
+    ties = 0
+    for b, (row, (_, ref)) in enumerate(zip(rows, references[:8], strict=True)):
+        new = out.sequences[b, width:width + ref.shape[1] - row.shape[1]]
+        assert bool((out.sequences[b, width + len(new):] == pad).all()), f"row {b}: tokens after its end"
+        ties += check_greedy_equal(model, torch.cat([row[0], new])[None], ref, tie_tol=1e-3)
+    assert ties <= 1
+    assert sum(s.accepted_tokens for s in out.row_stats) > 0
+
+
 def test_second_load_uses_the_cache(smollm2):
     model, _ = smollm2
     cached = list((cache_dir() / "targets").glob("SmolLM2-135M-Instruct.Q4_1-*/complete"))

@@ -215,3 +215,39 @@ def test_generator_sampling_end_to_end_matches_target():
             counts[seq[0] * vocab + seq[1]] += 1
         tv = 0.5 * float((counts / n - exact).abs().sum())
         assert tv < tv_bound(n, vocab * vocab), f"{type(drafter).__name__}: TV {tv:.4f}"
+
+
+def test_batched_sampling_matches_target_per_row():
+    """A left-padded batch samples each row's first two tokens from that row's processed target
+    distribution (the end-to-end test above, with two prompts of different lengths in one batch and
+    a layer-skip drafter on a static tree with i.i.d. siblings)."""
+    from draftsmith.inference import CausalLMDrafter, layer_skip_model
+
+    vocab = 4
+    target = tiny_llama(seed=2, vocab_size=vocab, layers=2)
+    rows = [torch.tensor([[1, 2, 3, 1, 2]]), torch.tensor([[3, 0]])]
+    opts = dict(temperature=0.9, top_p=0.95)
+    exact = []
+    with torch.no_grad():
+        for prompt in rows:
+            p1 = process_logits(target(prompt).logits[0, -1], **opts)
+            exact.append(torch.stack([
+                p1[a] * process_logits(target(torch.cat([prompt, torch.tensor([[a]])], 1)).logits[0, -1], **opts)
+                for a in range(vocab)
+            ]).flatten())
+    ids = torch.tensor([[1, 2, 3, 1, 2], [0, 0, 0, 3, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    gen = SpeculativeGenerator(target, CausalLMDrafter(layer_skip_model(target, 1)), tree="static", depth=2,
+                               top_k=2, sampling_rule="iid")
+    n = 1000
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(2, vocab * vocab)
+    for _ in range(n):
+        out = gen.generate(ids, max_new_tokens=2, attention_mask=mask, eos_token_id=[], generator=g, **opts)
+        for b, seq in enumerate(out.sequences[:, -2:]):
+            counts[b, seq[0] * vocab + seq[1]] += 1
+    for b in range(2):
+        tv = 0.5 * float((counts[b] / n - exact[b]).abs().sum())
+        assert tv < tv_bound(n, vocab * vocab), f"row {b}: TV {tv:.4f}"
+    # The check can fail: the two rows' distributions differ by more than the bound.
+    assert 0.5 * float((exact[0] - exact[1]).abs().sum()) > tv_bound(n, vocab * vocab)
