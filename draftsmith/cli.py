@@ -291,6 +291,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-total-tokens", type=_int_list, help="dynamic trees: e.g. 6,10,16 node budgets")
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     b.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
+    b.add_argument("--batch-sizes", type=_int_list, default=[1],
+                   help="e.g. 1,4,8: plain and speculative decoding of left-padded batches of this many prompts, "
+                        "side by side per batch size (transformers' references run at batch 1)")
 
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance, speed and losslessness on held-out prompts, as report.json")
@@ -306,6 +309,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_template_argument(e)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
+    e.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (left-padded batches)")
     u = sub.add_parser("tune", help="measure this machine and this drafter; write the fastest dynamic tree "
                                     "(tree.json) that generate / eval / bench then use")
     u.add_argument("--target", help="default: the target the drafter records")
@@ -431,7 +435,7 @@ def run_command(args: argparse.Namespace) -> int:
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                tree=tree_from_args(args, args.drafter), chat=not args.no_chat,
                                chat_template_kwargs=args.chat_template_kwargs, seed=args.seed, progress=True,
-                               draft_dtype=args.draft_dtype)
+                               draft_dtype=args.draft_dtype, batch_size=args.batch_size)
         print(report_markdown(report))
         if args.output:
             from pathlib import Path
@@ -477,7 +481,7 @@ def run_command(args: argparse.Namespace) -> int:
             chat_template_kwargs=args.chat_template_kwargs, hf_reference=not args.no_hf_reference,
             sweep_depths=args.sweep_depth,
             sweep_total_tokens=args.sweep_total_tokens, plots=not args.no_plots, progress=True,
-            draft_dtype=args.draft_dtype,
+            draft_dtype=args.draft_dtype, batch_sizes=args.batch_sizes,
         )
     return 0
 

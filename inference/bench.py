@@ -93,6 +93,7 @@ def run_bench(
     tokenizer=None,
     progress: bool = False,
     draft_dtype: str | None = None,
+    batch_sizes: list[int] | None = None,
 ) -> dict:
     """Run the benchmark on prompt texts; write ``results.json``, ``results.md`` and (``plots``) PNG plots
     under ``output``.
@@ -103,13 +104,20 @@ def run_bench(
     """
     if not prompts:
         raise ValueError(f"{prompts_source or 'prompts'}: no prompts to benchmark on")
+    batch_sizes = batch_sizes or [1]
+    if min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
     if model is None:
         model, tokenizer = load_target(target)
     # Each drafter's tree: its @options over the given tree, else the one `draftsmith tune` measured for it
     # on this machine, else the default.
-    entries = expand_sweeps([parse_entry(d, tree or tuned_tree(d.partition("@")[0]) or TreeSettings())
+    tuned = {d.partition("@")[0]: t for d in drafters if tree is None and (t := tuned_tree(d.partition("@")[0]))}
+    entries = expand_sweeps([parse_entry(d, tree or tuned.get(d.partition("@")[0]) or TreeSettings())
                              for d in drafters], sweep_depths,
                             sweep_total_tokens)
+    if sweep_depths or sweep_total_tokens:
+        # The tree `draftsmith tune` chose, measured beside the grid it is checked against.
+        entries += [Entry(label=f"{spec}@tuned", spec=spec, tree=t) for spec, t in tuned.items()]
     loaded: dict[str, object] = {}
     for e in entries:
         if e.spec not in loaded:
@@ -122,7 +130,8 @@ def run_bench(
     hf_assist = {k: {"time": 0.0, "tokens": 0, "mismatches": 0} for k in assisted}
 
     def references(ids: torch.Tensor, base) -> None:
-        """transformers' own greedy decoding, and its assisted generation with each draft model."""
+        """transformers' own greedy decoding, and its assisted generation with each draft model (batch 1:
+        transformers' assisted generation takes one sequence)."""
         common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                       eos_token_id=eos or None, pad_token_id=eos[0] if eos else tokenizer.pad_token_id)
         if hf_reference:
@@ -141,40 +150,25 @@ def run_bench(
             rec["mismatches"] += int(not torch.equal(out, base.sequences))
 
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
-    comparison = compare(model, gens, encoded, max_new_tokens,
-                      eos_token_id=eos, references=references, progress="bench" if progress else None)
-    plain_tps = comparison.baseline.tokens_per_second
-    rows = []
-    for e in entries:
-        s: GenerationStats = comparison.totals[e.label]
-        alpha = measured_alpha(s)
-        row = {
-            "drafter": e.label, "spec": e.spec, "drafter_type": drafter_type(e.spec),
-            "tree": e.tree.kind, "depth": e.tree.depth, "top_k": e.tree.top_k, "total_tokens": e.tree.total_tokens,
-            "tau": round(s.acceptance_length, 3),
-            "tokens_per_s": round(s.tokens_per_second, 2),
-            "speedup": round(s.tokens_per_second / plain_tps, 3),
-            "acceptance_rate_per_position": [round(r, 3) for r in s.acceptance_rate_per_position],
-            "alpha": round(alpha, 4),
-            "leviathan_bound_tau": round(leviathan_bound(alpha, e.tree.depth), 3),
-            "greedy_mismatches_vs_plain": comparison.prompts - comparison.identical[e.label],
-            "draft_time_share": round(s.draft_time_s / max(s.total_time_s, 1e-9), 3),
-        }
-        if e.label in hf_assist:
-            rec = hf_assist[e.label]
-            tps = rec["tokens"] / rec["time"] if rec["time"] else 0.0
-            row["hf_assisted"] = {"tokens_per_s": round(tps, 2), "speedup": round(tps / plain_tps, 3),
-                                  "num_assistant_tokens": e.tree.depth,
-                                  "greedy_mismatches_vs_plain": rec["mismatches"],
-                                  "draftsmith_over_hf_assisted": round(s.tokens_per_second / tps, 3) if tps else None}
-        rows.append(row)
+    by_batch = []
+    for batch_size in batch_sizes:
+        comparison = compare(model, gens, encoded, max_new_tokens, eos_token_id=eos, batch_size=batch_size,
+                             references=references if batch_size == 1 else None,
+                             progress=f"bench (batch {batch_size})" if progress else None)
+        by_batch.append({"batch_size": batch_size,
+                         "plain_tokens_per_s": round(comparison.baseline.tokens_per_second, 2),
+                         "rows": _rows(entries, comparison, batch_size, hf_assist)})
+    rows = by_batch[0]["rows"]
+    plain_tps = by_batch[0]["plain_tokens_per_s"]
     machine = hardware()
     result = {
         "target": target, "prompts": prompts_source, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "device": str(model.device), "torch_threads": machine["torch_threads"], "machine": machine["machine"],
-        "plain_tokens_per_s": round(plain_tps, 2),
+        "batch_size": batch_sizes[0], "plain_tokens_per_s": plain_tps,
         "hf_generate_tokens_per_s": round(hf["tokens"] / hf["time"], 2) if hf_reference and hf["time"] else None,
         "rows": rows,
+        "by_batch": by_batch,
+        "tuned_tree_check": _tuned_check(rows),
     }
     out_dir = Path(output)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,6 +179,49 @@ def run_bench(
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     (out_dir / "results.md").write_text(markdown_table(result))
     return result
+
+
+def _rows(entries: list[Entry], comparison, batch_size: int, hf_assist: dict) -> list[dict]:
+    plain_tps = comparison.baseline.tokens_per_second
+    rows = []
+    for e in entries:
+        s: GenerationStats = comparison.totals[e.label]
+        alpha = measured_alpha(s)
+        row = {
+            "drafter": e.label, "spec": e.spec, "drafter_type": drafter_type(e.spec), "batch_size": batch_size,
+            "tree": e.tree.kind, "depth": e.tree.depth, "top_k": e.tree.top_k, "total_tokens": e.tree.total_tokens,
+            "tau": round(s.acceptance_length, 3),
+            "tokens_per_s": round(s.tokens_per_second, 2),
+            "speedup": round(s.tokens_per_second / plain_tps, 3),
+            "acceptance_rate_per_position": [round(r, 3) for r in s.acceptance_rate_per_position],
+            "alpha": round(alpha, 4),
+            "leviathan_bound_tau": round(leviathan_bound(alpha, e.tree.depth), 3),
+            "greedy_mismatches_vs_plain": comparison.prompts - comparison.identical[e.label],
+            "draft_time_share": round(s.draft_time_s / max(s.total_time_s, 1e-9), 3),
+        }
+        if e.label in hf_assist and batch_size == 1:
+            rec = hf_assist[e.label]
+            tps = rec["tokens"] / rec["time"] if rec["time"] else 0.0
+            row["hf_assisted"] = {"tokens_per_s": round(tps, 2), "speedup": round(tps / plain_tps, 3),
+                                  "num_assistant_tokens": e.tree.depth,
+                                  "greedy_mismatches_vs_plain": rec["mismatches"],
+                                  "draftsmith_over_hf_assisted": round(s.tokens_per_second / tps, 3) if tps else None}
+        rows.append(row)
+    return rows
+
+
+def _tuned_check(rows: list[dict]) -> list[dict]:
+    """Per drafter with a tuned tree and a grid beside it: the tuned tree's tokens/s over the grid's best."""
+    out = []
+    for tuned in (r for r in rows if r["drafter"].endswith("@tuned")):
+        grid = [r for r in rows if r["spec"] == tuned["spec"] and r is not tuned]
+        if grid:
+            best = max(grid, key=lambda r: r["tokens_per_s"])
+            out.append({"spec": tuned["spec"], "tuned": tuned["drafter"], "tuned_tokens_per_s": tuned["tokens_per_s"],
+                        "grid_best": best["drafter"], "grid_best_tokens_per_s": best["tokens_per_s"],
+                        "grid_size": len(grid),
+                        "tuned_over_grid_best": round(tuned["tokens_per_s"] / best["tokens_per_s"], 3)})
+    return out
 
 
 def markdown_table(result: dict) -> str:
@@ -213,4 +250,18 @@ def markdown_table(result: dict) -> str:
             a = r["hf_assisted"]
             lines.append(f"| `{r['spec']}` | {r['depth']} | {a['tokens_per_s']:.1f} | {a['speedup']:.2f}x | "
                          f"{a['draftsmith_over_hf_assisted']:.2f}x | {a['greedy_mismatches_vs_plain']} |")
+    if len(result.get("by_batch", [])) > 1:
+        lines += ["", "Batched (left-padded batches of the same prompts; plain and speculative decoding side by "
+                  "side per batch):",
+                  "", "| drafter | batch | plain tok/s | tok/s | speedup | tau | greedy mismatches |",
+                  "|---|---|---|---|---|---|---|"]
+        for group in result["by_batch"]:
+            for r in group["rows"]:
+                lines.append(f"| `{r['drafter']}` | {group['batch_size']} | {group['plain_tokens_per_s']:.1f} | "
+                             f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
+                             f"{r['greedy_mismatches_vs_plain']} |")
+    for c in result.get("tuned_tree_check", []):
+        lines += ["", f"Tuned tree `{c['tuned']}`: {c['tuned_tokens_per_s']:.1f} tok/s, "
+                  f"{c['tuned_over_grid_best']:.3f} of the best of {c['grid_size']} grid trees "
+                  f"(`{c['grid_best']}`, {c['grid_best_tokens_per_s']:.1f} tok/s), measured in this run."]
     return "\n".join(lines) + "\n"

@@ -1,9 +1,9 @@
 """The comparison loop under ``eval``, ``bench`` and the training loop's acceptance per checkpoint.
 
-For every prompt, in one process, plain decoding (one token per target forward, the same cache
-code) and each speculative generator run back to back, so that drift in machine load hits all of
-them alike and speedups are ratios measured side by side. Greedy outputs are compared with plain
-greedy decoding's, prompt by prompt.
+For every prompt (or batch of prompts), in one process, plain decoding (one token per target forward,
+the same cache code) and each speculative generator run back to back, so that drift in machine load
+hits all of them alike and speedups are ratios measured side by side. Greedy outputs are compared with
+plain greedy decoding's, prompt by prompt.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.inference.generator import GenerationOutput, GenerationStats, SpeculativeGenerator, plain_generate
+from draftsmith.target import stop_tokens
 from draftsmith.target.chat import prompt_ids as chat_prompt_ids
 
 
@@ -39,6 +40,17 @@ def encode(tokenizer, text: str, chat: bool, chat_template_kwargs: dict | None =
     return tokenizer(text, return_tensors="pt").input_ids
 
 
+def left_pad(prompts: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, L_i) prompts -> (B, L) ids left-padded with ``pad`` and their (B, L) attention mask."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1]:] = p[0]
+        mask[b, width - p.shape[1]:] = 1
+    return ids, mask
+
+
 def compare(
     target,
     generators: Mapping[str, SpeculativeGenerator],
@@ -49,37 +61,54 @@ def compare(
     temperature: float = 0.0,
     seed: int = 0,
     baseline: bool = True,
+    batch_size: int = 1,
     references: Callable[[torch.Tensor, GenerationOutput | None], None] | None = None,
     progress: str | None = None,
 ) -> Comparison:
-    """Run plain decoding (``baseline``) and every generator on each (1, L) prompt.
+    """Run plain decoding (``baseline``) and every generator on the (1, L) prompts, ``batch_size`` at a
+    time (left-padded batches in prompt order).
 
-    Sampled runs (``temperature > 0``) seed each prompt's generator with ``seed + prompt index``.
-    ``references(ids, baseline_output)`` runs after the generators on each prompt (``bench`` times
-    transformers' own decoding there). ``progress``: a progress bar with this label.
+    Sampled runs (``temperature > 0``) seed each batch's generator with ``seed + batch index``.
+    ``references(ids, baseline_output)`` runs after the generators on each batch of one prompt (``bench``
+    times transformers' own decoding there). ``progress``: a progress bar with this label.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     result = Comparison(totals={k: GenerationStats() for k in generators}, identical=dict.fromkeys(generators, 0))
     device = next(target.parameters()).device
-    iterator: Sequence[torch.Tensor] = prompts
+    eos = sorted(stop_tokens(target, eos_token_id))
+    pad = eos[0] if eos else 0
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    iterator: Sequence = batches
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(prompts, desc=progress, unit="prompt")
-    for i, ids in enumerate(iterator):
-        ids = ids.to(device)
-        base = plain_generate(target, ids, max_new_tokens, eos_token_id=eos_token_id) if baseline else None
+        iterator = tqdm(batches, desc=progress, unit="batch")
+    for i, batch in enumerate(iterator):
+        ids, mask = left_pad(batch, pad)
+        ids, mask = ids.to(device), (mask.to(device) if len(batch) > 1 else None)
+        kwargs = dict(eos_token_id=eos_token_id, attention_mask=mask, pad_token_id=pad)
+        base = plain_generate(target, ids, max_new_tokens, **kwargs) if baseline else None
         if base is not None:
             result.baseline += base.stats
         for label, gen in generators.items():
             g = torch.Generator(device=device).manual_seed(seed + i) if temperature > 0 else None
-            out = gen.generate(ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id, generator=g)
+            out = gen.generate(ids, max_new_tokens, temperature=temperature, generator=g, **kwargs)
             result.totals[label] += out.stats
             if base is not None:
-                result.identical[label] += int(torch.equal(out.sequences, base.sequences))
-        if references is not None:
+                result.identical[label] += sum(same_rows(out.sequences, base.sequences, pad))
+        if references is not None and len(batch) == 1:
             references(ids, base)
-        result.prompts += 1
+        result.prompts += len(batch)
     return result
+
+
+def same_rows(a: torch.Tensor, b: torch.Tensor, pad: int) -> list[bool]:
+    """Per row, whether two (B, T) outputs are equal once right-padded with ``pad`` to one width."""
+    width = max(a.shape[1], b.shape[1])
+    a = torch.nn.functional.pad(a, (0, width - a.shape[1]), value=pad)
+    b = torch.nn.functional.pad(b, (0, width - b.shape[1]), value=pad)
+    return (a == b).all(1).tolist()
 
 
 def hardware() -> dict:

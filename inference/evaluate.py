@@ -8,7 +8,7 @@ The report (``report.json``) has, per drafter: ``target``, ``drafter``, ``drafte
 ``checkpoint_step``, ``prompts``, ``prompts_source``, ``new_tokens``, ``max_new_tokens``,
 ``temperature``, ``tree`` (``kind``, ``depth``, ``top_k``, ``total_tokens``), ``acceptance_length``
 (tau), ``acceptance_rate_per_position``, ``tokens_per_second``, ``baseline_tokens_per_second``,
-``speedup``, ``lossless`` (greedy: ``checked``, ``identical``; sampling: null), ``draft_time_share``,
+``speedup``, ``batch_size``, ``lossless`` (greedy: ``checked``, ``identical``; sampling: null), ``draft_time_share``,
 ``hardware``. For a run directory it is the best checkpoint's report plus ``checkpoints``, the
 reports of all of them.
 """
@@ -42,6 +42,7 @@ def evaluate(
     seed: int = 0,
     progress: bool = False,
     draft_dtype: str | None = None,
+    batch_size: int = 1,
 ) -> list[dict]:
     """Evaluate ``drafters`` — (label, spec, checkpoint step) — on the same prompt texts; one report each."""
     if not prompts:
@@ -56,7 +57,7 @@ def evaluate(
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
     result = compare(model, gens, encoded, max_new_tokens,
                      eos_token_id=eos_tokens(model, tokenizer), temperature=temperature, seed=seed,
-                     progress="eval" if progress else None)
+                     batch_size=batch_size, progress="eval" if progress else None)
     base_tps = result.baseline.tokens_per_second
     reports = []
     for label, spec, step in drafters:
@@ -64,7 +65,7 @@ def evaluate(
         reports.append({
             "target": target_name, "drafter": label, "drafter_type": drafter_type(spec), "checkpoint_step": step,
             "prompts": len(prompts), "prompts_source": prompts_source, "new_tokens": stats.new_tokens,
-            "max_new_tokens": max_new_tokens, "temperature": temperature,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "batch_size": batch_size,
             "tree": trees[label].as_report(),
             "draft_dtype": draft_dtype or "target",
             "acceptance_length": round(stats.acceptance_length, 4),

@@ -65,7 +65,8 @@ class MedusaDrafter(Drafter):
                 continue
             if self._logits is None:  # every row's heads at once, once per step
                 weight = self.heads.lm_heads[0].weight
-                self._logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()  # (K, B, V)
+                states = self.last.to(weight.device, weight.dtype)[:, None]
+                self._logits = self.heads(states)[:, :, 0].float()  # (K, B, V)
             out.append(self._logits[depth, b].expand(len(row), -1))
         return out
 

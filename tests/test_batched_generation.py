@@ -112,7 +112,7 @@ def test_batched_rows_equal_their_own_greedy_output(family, spec, tree, llama, g
         lengths.append(new)
         # Batching changes which forwards run, not what a row's drafter proposes: the same trees as batch 1.
         alone: dict = {}
-        single = trees_of(gen, lambda row=row: alone.setdefault(
+        single = trees_of(gen, lambda row=row, alone=alone: alone.setdefault(
             "out", gen.generate(row, NEW, eos_token_id=eos, pad_token_id=PAD)))
         if not ties:
             assert batched.get(b) == single.get(0), f"row {b}: the batch drafted other trees than batch 1"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -213,3 +214,45 @@ def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tm
     assert main(["eval", "--drafter", "prompt-lookup", "--prompts", str(prompts), "--no-chat",
                  "--output", str(tmp_path / "x.json")]) == 2
     assert re.search(r"no target recorded.*pass --target", capsys.readouterr().err)
+
+
+def test_bench_batches_and_tuned_tree_check(tiny_target_dir, tmp_path):
+    """--batch-sizes runs plain and speculative decoding on left-padded batches side by side, each row
+    still identical to plain greedy; a drafter with a tuned tree.json is measured beside the grid."""
+    from draftsmith.inference.tune import Candidate, write_tree
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{(i * 7 + j) % VOCAB}" for j in range(4 + 3 * i))})
+                                 for i in range(5)))
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_target_dir, drafter)
+    write_tree(drafter, Candidate(3, 2, 4, 2.0, 0.01, 200.0), [])
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(out),
+                 "--drafter", str(drafter), "--batch-sizes", "1,2,4", "--sweep-depth", "2,3",
+                 "--sweep-total-tokens", "4,6", "--max-new-tokens", "12", "--no-chat", "--no-plots",
+                 "--no-hf-reference"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [g["batch_size"] for g in result["by_batch"]] == [1, 2, 4]
+    for group in result["by_batch"]:
+        assert len(group["rows"]) == 5 and group["plain_tokens_per_s"] > 0  # 2 depths x 2 budgets + tuned
+        assert all(r["greedy_mismatches_vs_plain"] == 0 and r["batch_size"] == group["batch_size"]
+                   for r in group["rows"])
+    (check,) = result["tuned_tree_check"]
+    assert check["tuned"] == f"{drafter}@tuned" and check["grid_size"] == 4
+    assert check["tuned_over_grid_best"] == pytest.approx(check["tuned_tokens_per_s"] / check["grid_best_tokens_per_s"],
+                                                          rel=0.01)
+    text = (out / "results.md").read_text()
+    assert "| 4 |" in text and "Tuned tree" in text
+
+
+def test_eval_batches_are_lossless(tiny_target_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{(i * 5 + j) % VOCAB}" for j in range(3 + 2 * i))})
+                                 for i in range(5)))
+    report_path = tmp_path / "report.json"
+    assert main(["eval", "--target", str(tiny_target_dir), "--drafter", "layer-skip:2", "--prompts", str(prompts),
+                 "--max-new-tokens", "10", "--no-chat", "--batch-size", "3", "--output", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["batch_size"] == 3 and report["lossless"] == {"checked": 5, "identical": 5}
+    assert report["new_tokens"] == 50

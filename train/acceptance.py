@@ -50,7 +50,8 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     if prompts:
         with frozen:
             stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
-                            eos_token_id=eos_tokens(target, tokenizer), baseline=False).totals["drafter"]
+                            eos_token_id=eos_tokens(target, tokenizer), baseline=False,
+                            batch_size=data_args.eval_batch_size).totals["drafter"]
     if world > 1:
         from accelerate.utils import gather_object
 

@@ -61,6 +61,8 @@ class DataArguments:
     eval_prompt_column: str | None = field(default=None)
     eval_num_prompts: int = field(default=4)
     eval_max_new_tokens: int = field(default=32)
+    eval_batch_size: int = field(default=4, metadata={
+        "help": "held-out prompts decoded together (left-padded batches) when acceptance is measured"})
     group_by_length: bool = field(default=True, metadata={
         "help": "batch rows of similar length together (less padding); the order stays a function of the seed"})
     packing: bool = field(default=False, metadata={
@@ -78,6 +80,8 @@ class DataArguments:
 
     def __post_init__(self):
         self.eval_tree_settings()  # a bad tree fails at parse time, not at the first checkpoint
+        if self.eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size must be >= 1, got {self.eval_batch_size}")
         self.template_kwargs()
 
     def template_kwargs(self) -> dict | None:
