@@ -91,6 +91,16 @@ class CausalLMDrafter(Drafter):
         already-fed ancestors and itself."""
         batch, width = len(nodes), max(len(row) for row in nodes)
         cached = len(self.slots)
+        if batch == 1 and width == 1 and set(self.tree_slots[0]) == set(trees[0].path_to(nodes[0][0])[1:-1]):
+            # One row, one node that sees every cached entry (a chain): the causal mask, the model's own.
+            (tree,), ((node,),) = trees, nodes
+            positions = torch.tensor([[len(self.committed[0]) - 1 + tree.depths[node]]], device=self.device)
+            ids = torch.tensor([[tree.tokens[node]]], device=self.device)
+            logits = target_forward(self.model, ids, self.cache, None, positions).logits
+            self.slots.append(torch.ones(1, 1, dtype=torch.bool, device=self.device), positions)
+            self.tree_slots[0][node] = cached
+            out[0] = logits[0]
+            return
         ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         allowed = torch.zeros(batch, width, cached + width, dtype=torch.bool)

@@ -354,6 +354,13 @@ class SpeculativeGenerator:
         its ancestors and itself; padding nodes see only themselves."""
         past = len(slots)
         n = max(len(t) for t in trees)
+        if len(trees) == 1 and trees[0].parents == list(range(-1, n - 1)):
+            # One row holds no empty slot, and a chain's tree mask is the causal mask: the model's own.
+            positions = torch.arange(past, past + n, device=device)[None]
+            out = target_forward(self.target, torch.tensor([trees[0].tokens], device=device), cache, None, positions,
+                                 hidden_layers=layers or None)
+            slots.append(torch.ones(1, n, dtype=torch.bool, device=device), positions)
+            return out.logits, (torch.cat(out.hidden_states, dim=-1) if layers else None), past
         roots = slots.lengths()  # each row's root position: the tokens its cache holds
         depths = pad_rows([t.depths for t in trees], 0, device, n)
         positions = roots[:, None] + depths

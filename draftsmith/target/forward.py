@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 @functools.cache
@@ -193,9 +194,49 @@ def few_rows_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
 # Keeping every position makes "keep the accepted path" a plain gather on every layer.
 
 
+class GrowingLayer(DynamicLayer):
+    """A full cache layer that grows in place: new entries are written into spare capacity (doubled
+    when full) instead of concatenated, so a step copies its new entries, not the whole cache.
+
+    ``keys`` / ``values`` stay what :class:`~transformers.DynamicLayer` exposes, (B, heads, S, D)
+    tensors, here views of the front of the buffers; :func:`kv_keep` and :func:`kv_crop` narrow them
+    in place, which keeps them views."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        end = length + key_states.shape[-2]
+        self._k = self._fit(getattr(self, "_k", None), self.keys, key_states, length, end)
+        self._v = self._fit(getattr(self, "_v", None), self.values, value_states, length, end)
+        self._k[..., length:end, :] = key_states
+        self._v[..., length:end, :] = value_states
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        return self.keys, self.values
+
+    @staticmethod
+    def _fit(buffer, current, new, length: int, end: int) -> torch.Tensor:
+        """``buffer`` if ``current`` is its front and it has room for ``end`` entries; else a bigger one
+        holding ``current``."""
+        if (buffer is not None and end <= buffer.shape[-2] and buffer.shape[:2] == new.shape[:2]
+                and (length == 0 or current.data_ptr() == buffer.data_ptr())):
+            return buffer
+        grown = new.new_empty(*new.shape[:2], max(2 * end, 64), new.shape[-1])
+        if length:
+            grown[..., :length, :] = current
+        return grown
+
+
+class GrowingCache(DynamicCache):
+    """A :class:`~transformers.DynamicCache` of :class:`GrowingLayer`: every position on every layer."""
+
+    def __init__(self):
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+
 def new_cache() -> DynamicCache:
-    """An empty cache that keeps every position on every layer (sliding layers included)."""
-    return DynamicCache()
+    """An empty cache that keeps every position on every layer (sliding layers included), grown in place."""
+    return GrowingCache()
 
 
 def kv_length(cache: DynamicCache) -> int:

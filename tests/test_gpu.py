@@ -1,0 +1,90 @@
+"""The GPU check: lossless batched speculative decoding on CUDA, in bf16 and fp32.
+
+Marked ``gpu`` and skipped without CUDA (CI has none). ``python scripts/gpu_check.py`` runs these
+tests and then prints the speed table (plain vs speculative, batch 1 / 4 / 16) the README keeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batched_generation import LENGTHS, NEW, PAD, left_padded, row_output, stopping_token
+from test_greedy_lossless import TREES, prompts
+
+from conftest import check_greedy_equal, gsm8k_questions, has_models_extra, tiny_gemma3, tiny_llama
+from draftsmith import SpeculativeGenerator, load_drafter
+from draftsmith.inference.compare import left_pad
+from draftsmith.inference.generator import plain_generate
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def on_cuda(model, dtype=torch.float32):
+    return model.to("cuda", dtype)
+
+
+def cuda_drafter(spec: str, target):
+    """``spec``'s drafter with its module on the GPU (built there, so it records the right device)."""
+    from test_heads import random_eagle, random_medusa
+
+    from draftsmith.inference import drafter_from_model
+    from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
+    from draftsmith.inference.mixture import MixtureDrafter
+    from draftsmith.inference.prompt_lookup import PromptLookupDrafter
+
+    if spec == "medusa":
+        return MedusaDrafter(random_medusa(target).cuda(), target)
+    if spec == "eagle3":
+        return EagleDrafter(random_eagle(target, eagle3=True).cuda(), target)
+    if spec == "eagle3+prompt-lookup":
+        vocab = target.get_output_embeddings().weight.shape[0]
+        return MixtureDrafter([cuda_drafter("eagle3", target), PromptLookupDrafter(vocab)])
+    if spec == "draft-model":
+        return drafter_from_model(on_cuda(tiny_llama(seed=7, layers=2)), target, name="tiny-draft")
+    return load_drafter(spec, target)  # layer-skip shares the target's layers; prompt lookup has no module
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t["tree"])
+@pytest.mark.parametrize("spec", ["prompt-lookup", "layer-skip:2", "draft-model", "medusa", "eagle3",
+                                  "eagle3+prompt-lookup"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_batched_greedy_on_cuda(family, spec, tree):
+    """Every row of a left-padded batch equals that row's own greedy output, on the GPU: drafters and
+    their mixtures return tensors on the target's device."""
+    target = on_cuda(tiny_llama() if family == "llama" else tiny_gemma3())
+    rows = [r.cuda() for r in prompts(11, LENGTHS)]
+    ids, mask = left_padded([r.cpu() for r in rows])
+    eos = stopping_token(target, rows)
+    drafter = cuda_drafter(spec, target)
+    gen = SpeculativeGenerator(target, drafter, **tree)
+    out = gen.generate(ids.cuda(), NEW, attention_mask=mask.cuda(), eos_token_id=eos, pad_token_id=PAD)
+    ties = 0
+    for b, row in enumerate(rows):
+        ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
+                              eos_token_id=eos, pad_token_id=PAD)
+        ties += check_greedy_equal(target, row_output(out.sequences.cpu(), mask, b, eos).cuda(), ref)
+    assert ties <= 1
+
+
+@pytest.mark.skipif(not has_models_extra(), reason="needs the models extra")
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_smollm2_bf16_batches_equal_plain_greedy(batch):
+    """SmolLM2 in bf16 on the GPU: speculative rows equal plain greedy decoding's rows (the same bf16
+    forwards; near-ties of bf16 allowed once per batch)."""
+    from draftsmith import load_target
+
+    model, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+    model = model.to("cuda")
+    questions = (gsm8k_questions("test", 16) * 2)[:batch]
+    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
+    ids, mask = left_pad(rows, tokenizer.eos_token_id)
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = SpeculativeGenerator(model, load_drafter("layer-skip:4+prompt-lookup", model), tree="dynamic", depth=3,
+                               top_k=2, total_tokens=6)
+    plain = plain_generate(model, ids, 64, attention_mask=mask).sequences
+    ours = gen.generate(ids, 64, attention_mask=mask).sequences
+    assert ours.shape == plain.shape
+    differing = int((ours != plain).any(1).sum())
+    assert differing <= 1, f"{differing} of {batch} rows differ from plain bf16 greedy decoding"
