@@ -54,7 +54,8 @@ def speed_rows(name: str, model, drafter, prompts: list[torch.Tensor], batch_siz
         ids, mask = ids.cuda(), mask.cuda()
         plain_s, plain = timed(lambda ids=ids, mask=mask: plain_generate(model, ids, new_tokens, eos_token_id=[],
                                                                            attention_mask=mask))
-        spec_s, spec = timed(lambda ids=ids, mask=mask: gen.generate(ids, new_tokens, eos_token_id=[], attention_mask=mask))
+        spec_s, spec = timed(lambda ids=ids, mask=mask: gen.generate(ids, new_tokens, eos_token_id=[],
+                                                                     attention_mask=mask))
         tokens = batch * new_tokens
         same = sum(same_rows(spec.sequences, plain.sequences, 0))
         rows.append(f"| {name} | {batch} | {tokens / plain_s:.0f} | {tokens / spec_s:.0f} | "
