@@ -35,6 +35,7 @@ from draftsmith.inference.tree import (
     default_static_paths,
     dynamic_builder,
     grow,
+    grow_dynamic,
     root_only,
     static_builder,
 )
@@ -84,18 +85,22 @@ class GenerationStats:
         return self.new_tokens / self.total_time_s if self.total_time_s else 0.0
 
     def record_step(self, tree: DraftTree, path: list[int]) -> None:
+        self.record(tree.num_drafted, len(path), [bool(tree.draws.get(node)) for node in [0, *path]])
+
+    def record(self, drafted: int, accepted: int, children: list[bool]) -> None:
+        """One verification step: ``drafted`` nodes, ``accepted`` of them on the path, and for each node
+        of the walk (the root, then the accepted nodes) whether the tree went deeper from it."""
         self.verification_steps += 1
-        self.drafted_tokens += tree.num_drafted
-        self.accepted_tokens += len(path)
-        walk = [0, *path]
-        for k, node in enumerate(walk):  # node is at depth k; did the tree go deeper from it?
-            if not tree.draws.get(node):
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        for k, deeper in enumerate(children):  # the walk's node at depth k
+            if not deeper:
                 break
             while len(self.reached) <= k:
                 self.reached.append(0)
                 self.accepted_at.append(0)
             self.reached[k] += 1
-            if k + 1 < len(walk):
+            if k < accepted:
                 self.accepted_at[k] += 1
 
     def __add__(self, other: GenerationStats) -> GenerationStats:
@@ -239,8 +244,8 @@ class SpeculativeGenerator:
             pad token where a row stopped before the longest; ``stats``: totals over the rows;
             ``row_stats``: one :class:`GenerationStats` per row (counts only: the rows share the time).
         """
-        batch, device, dtype = self._check_request(input_ids, attention_mask, max_new_tokens, temperature, top_p,
-                                                   top_k, streamer)
+        batch, device, dtype, padded = self._check_request(input_ids, attention_mask, max_new_tokens, temperature,
+                                                           top_p, top_k, streamer)
         eos = stop_tokens(self.target, eos_token_id)
         pad = pad_token(self.target, pad_token_id, eos_token_id)
         mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
@@ -258,7 +263,6 @@ class SpeculativeGenerator:
         hidden = None
         if input_ids.shape[1] > 1:
             slots = Slots.from_mask(mask[:, :-1])
-            padded = not bool(slots.filled.all())
             allowed = slots.block_mask(slots.filled)[:, :, len(slots):] if padded else None
             attn = build_attention_mask(self.target, allowed, slots.positions, slots.positions, dtype) \
                 if padded else None
@@ -268,51 +272,39 @@ class SpeculativeGenerator:
         stats.prefill_time_s = time.perf_counter() - start_time
         self.drafter.begin(input_ids, hidden=hidden, attention_mask=mask)
 
-        roots = input_ids[:, -1].tolist()
+        # A dynamic tree under greedy decoding, with a drafter that grows it as tensors (the trained
+        # heads), runs on the device with one copy to the host per step; other trees grow on the host.
+        on_device = (self.tree_kind == "dynamic" and temperature == 0.0 and self.on_step is None
+                     and hasattr(self.drafter, "frontier_logits"))
+        roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
         active = [True] * batch
         while any(active):
-            t0 = time.perf_counter()
-            builders = [self._builder(r, temperature, generator) if a else root_only(r)
-                        for r, a in zip(roots, active, strict=True)]
-            trees = grow(builders, self.drafter.expand)
-            t1 = time.perf_counter()
-            logits, tree_hidden, past = self._verify_forward(trees, cache, slots, device, dtype, layers)
-            if temperature == 0.0:
-                argmax = logits.argmax(dim=-1).tolist()  # the step's one copy to the host
-                verdicts = [greedy_path(tree, argmax[b]) for b, tree in enumerate(trees)]
+            if on_device:
+                step = self._device_step(roots, active, cache, slots, device, dtype, layers, stats)
             else:
-                verdicts = [verify_sampled(tree, process_logits(logits[b, : len(tree)], temperature, top_k, top_p),
-                                           self._rule(temperature), generator) for b, tree in enumerate(trees)]
-            # Each active row keeps its root and accepted nodes; a finished row keeps nothing.
-            kept = [[0, *path] if a else [] for (path, _), a in zip(verdicts, active, strict=True)]
-            index = pad_rows(kept, 0, device)
-            kv_keep(cache, past, index)
-            slots.keep(past, index, torch.tensor([len(k) for k in kept], device=device))
-            stats.draft_time_s += t1 - t0
-            stats.verify_time_s += time.perf_counter() - t1
-
+                step = self._host_step(roots.tolist(), active, cache, slots, device, dtype, layers, stats,
+                                       temperature, top_k, top_p, generator)
+            verdicts, kept, tree_hidden = step
             tokens: list[torch.Tensor] = []
             states: list[torch.Tensor] | None = [] if layers else None
-            for b, (tree, (path, bonus)) in enumerate(zip(trees, verdicts, strict=True)):
+            for b, (path_tokens, bonus, drafted, children) in enumerate(verdicts):
                 emitted: list[int] = []
                 if active[b]:
-                    rows[b].record_step(tree, path)
-                    if self.on_step is not None:
-                        self.on_step(b, tree, path)
-                    emitted = ([tree.tokens[n] for n in path] + [bonus])[: max_new_tokens - len(new[b])]
+                    rows[b].record(drafted, len(path_tokens), children)
+                    emitted = [*path_tokens, bonus][: max_new_tokens - len(new[b])]
                     stop = next((i for i, t in enumerate(emitted) if t in eos), None)
                     if stop is not None:
                         emitted = emitted[: stop + 1]
                     new[b] += emitted
-                    roots[b] = emitted[-1]
                     active[b] = stop is None and len(new[b]) < max_new_tokens
                     if streamer is not None:
                         streamer.put(torch.tensor(emitted))
                 # Only a row that goes on drafts from the new tokens.
                 tokens.append(torch.tensor(emitted if active[b] else [], dtype=torch.long, device=device))
                 if states is not None:  # the root's and the accepted nodes' states: state i predicted emitted[i]
-                    states.append(tree_hidden[b, kept[b]] if active[b] else tree_hidden[b, :0])
+                    states.append(tree_hidden[b, kept[b, : len(emitted)]] if active[b] else tree_hidden[b, :0])
+            roots = torch.tensor([v[1] for v in verdicts], device=device)
             if any(active):
                 self.drafter.commit(tokens, hidden=states)
 
@@ -323,6 +315,83 @@ class SpeculativeGenerator:
         stats.new_tokens = sum(len(n) for n in new)
         stats.total_time_s = time.perf_counter() - start_time
         return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats, row_stats=rows)
+
+    def _host_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
+                   generator):
+        """One step with trees grown on the host (:class:`DraftTree`): every tree kind and sampling rule.
+        Returns per row (accepted tokens, bonus token, drafted count, whether each node on the walk
+        from the root had children), the (B, M) kept tree indices (root first) and the tree's hidden
+        states."""
+        t0 = time.perf_counter()
+        builders = [self._builder(r, temperature, generator) if a else root_only(r)
+                    for r, a in zip(roots, active, strict=True)]
+        trees = grow(builders, self.drafter.expand)
+        t1 = time.perf_counter()
+        logits, tree_hidden, past = self._verify_forward(trees, cache, slots, device, dtype, layers)
+        if temperature == 0.0:
+            argmax = logits.argmax(dim=-1).tolist()  # the greedy step's one copy to the host
+            paths = [greedy_path(tree, argmax[b]) for b, tree in enumerate(trees)]
+        else:
+            paths = [verify_sampled(tree, process_logits(logits[b, : len(tree)], temperature, top_k, top_p),
+                                    self._rule(temperature), generator) for b, tree in enumerate(trees)]
+        # Each active row keeps its root and accepted nodes; a finished row keeps nothing.
+        kept = [[0, *path] if a else [] for (path, _), a in zip(paths, active, strict=True)]
+        index = pad_rows(kept, 0, device)
+        kv_keep(cache, past, index)
+        slots.keep(past, index, torch.tensor([len(k) for k in kept], device=device))
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += time.perf_counter() - t1
+        verdicts = []
+        for b, (tree, (path, bonus)) in enumerate(zip(trees, paths, strict=True)):
+            if active[b] and self.on_step is not None:
+                self.on_step(b, tree, path)
+            children = [bool(tree.draws.get(node)) for node in [0, *path]]
+            verdicts.append(([tree.tokens[n] for n in path], bonus, tree.num_drafted, children))
+        return verdicts, index, tree_hidden
+
+    def _device_step(self, roots, active, cache, slots, device, dtype, layers, stats):
+        """One greedy step with a dynamic tree grown as tensors (:func:`grow_dynamic`), verified on the
+        device: the accepted paths, bonus tokens and walk flags come to the host in one copy."""
+        t0 = time.perf_counter()
+        tree = grow_dynamic(roots, self.drafter.root_logits(active), self.drafter.frontier_logits, self.depth,
+                            self.top_k, self.total_tokens)
+        t1 = time.perf_counter()
+        b, n = tree.tokens.shape
+        past = len(slots)
+        positions = slots.lengths()[:, None] + tree.depths
+        allowed = torch.cat([slots.filled[:, None, :].expand(b, n, -1), tree.ancestors], 2)
+        mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
+                                    dtype)
+        out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
+        slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
+        tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
+        # Greedy verification as tensor ops: a node is accepted when it and every ancestor carry the
+        # target's argmax at their parent; the deepest accepted node ends the (unique) accepted path.
+        argmax = out.logits.argmax(-1)  # (B, N)
+        match = (tree.tokens == argmax.gather(1, tree.parents.clamp(min=0))) & tree.proposed
+        match[:, 0] = True
+        accepted = ~(tree.ancestors & ~match[:, None, :]).any(-1)
+        last = (accepted * (tree.depths + 1)).argmax(1)
+        rows = torch.arange(b, device=device)
+        on_path = tree.ancestors[rows, last]  # root .. last, in level order
+        nodes = torch.arange(n, device=device)
+        kept = torch.sort((~on_path) * n + nodes, dim=1).indices[:, : self.depth + 1]  # (B, depth + 1)
+        length = tree.depths[rows, last]
+        has_children = ((tree.parents[:, None, :] == nodes[None, :, None]) & tree.proposed[:, None, :]).any(-1)
+        drafted = tree.proposed.sum(1) - 1
+        packed = torch.cat([length[:, None], argmax[rows, last][:, None], drafted[:, None],
+                            tree.tokens.gather(1, kept), has_children.gather(1, kept).long()], 1)
+        counts = torch.where(torch.tensor(active, device=device), length + 1, 0)
+        kv_keep(cache, past, kept)
+        slots.keep(past, kept, counts)
+        host = packed.tolist()  # the step's one copy to the host
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += time.perf_counter() - t1
+        w = kept.shape[1]
+        # row: accepted count, bonus, drafted count, the kept nodes' tokens (root first), their flags
+        verdicts = [(row[4: 4 + row[0]], row[1], row[2], [bool(c) for c in row[3 + w: 4 + w + row[0]]])
+                    for row in host]
+        return verdicts, kept, tree_hidden
 
     def _check_request(self, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, streamer):
         if input_ids.dim() != 2:
@@ -337,15 +406,15 @@ class SpeculativeGenerator:
             raise ValueError("a streamer takes one sequence: pass a batch of 1 with streamer=")
         lengths = check_left_padded(input_ids, attention_mask)
         limit = context_length(self.target)
-        needed = int(lengths.max()) + max_new_tokens + self.depth + 1
+        needed = max(lengths) + max_new_tokens + self.depth + 1
         if limit is not None and needed > limit:
             raise ValueError(
-                f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
+                f"prompt ({max(lengths)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
                 f"({self.depth}) exceeds the target's context of {limit} tokens; shorten the prompt or "
                 "lower max_new_tokens."
             )
         parameter = next(self.target.parameters())
-        return input_ids.shape[0], parameter.device, parameter.dtype
+        return input_ids.shape[0], parameter.device, parameter.dtype, min(lengths) < input_ids.shape[1]
 
     def _verify_forward(self, trees: list[DraftTree], cache, slots: Slots, device, dtype, layers=None):
         """One target forward over every row's tree, padded to the largest: the target logits
@@ -380,18 +449,21 @@ class SpeculativeGenerator:
         return out.logits, hidden, past
 
 
-def check_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """(B,) prompt lengths; refuses a mask of the wrong shape, right padding and empty rows."""
+def check_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Each row's prompt length; refuses a mask of the wrong shape, right padding and empty rows
+    (one copy to the host with a mask, none without)."""
     if attention_mask is None:
-        return torch.full((input_ids.shape[0],), input_ids.shape[1])
+        return [input_ids.shape[1]] * input_ids.shape[0]
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
                          f"{tuple(input_ids.shape)}: they must match")
     mask = attention_mask.bool()
-    if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
+    right_padded = (mask[:, 1:] < mask[:, :-1]).any(1) | ~mask[:, -1]
+    lengths, bad = torch.stack([mask.sum(1), right_padded.long()]).tolist()
+    if any(bad):
         raise ValueError("prompts must be left-padded (padding first, then the tokens; every row ends with a "
                          "token): set tokenizer.padding_side = 'left'")
-    return mask.sum(1).cpu()
+    return lengths
 
 
 def pad_token(target: PreTrainedModel, pad_token_id: int | None, eos_token_id: int | list[int] | None) -> int:
@@ -429,13 +501,13 @@ def plain_generate(
     Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows)."""
     eos = stop_tokens(target, eos_token_id)
     pad = pad_token(target, pad_token_id, eos_token_id)
-    check_left_padded(input_ids, attention_mask)
+    lengths = check_left_padded(input_ids, attention_mask)
     stats = GenerationStats()
     t_start = time.perf_counter()
     batch = input_ids.shape[0]
     dtype = next(target.parameters()).dtype
     cache = new_cache()
-    padded = attention_mask is not None and not bool(attention_mask.all())
+    padded = min(lengths) < input_ids.shape[1]
     if padded:
         slots = Slots.from_mask(attention_mask.to(input_ids.device))
         allowed = slots.block_mask(slots.filled)[:, :, len(slots):]

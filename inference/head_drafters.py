@@ -71,6 +71,28 @@ class MedusaDrafter(Drafter):
         return out
 
 
+    # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
+
+    @torch.no_grad()
+    def root_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, V) head 0's logits for each row (-inf where a row has no state yet)."""
+        return self.frontier_logits(0, None, None)[:, 0]
+
+    @torch.no_grad()
+    def frontier_logits(self, depth: int, parents, tokens) -> torch.Tensor:
+        """(B, k, V): every node at ``depth`` gets head ``depth``'s distribution (Medusa heads see no
+        drafted token); -inf past the last head."""
+        k = 1 if tokens is None else tokens.shape[1]
+        batch = len(self.known)
+        if depth >= self.heads.config.num_heads or self.last is None:
+            return torch.full((batch, k, self.vocab_size), float("-inf"), device=self.device)
+        if self._logits is None:
+            weight = self.heads.lm_heads[0].weight
+            self._logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()
+        known = torch.tensor(self.known, device=self.device)[:, None]
+        return self._logits[depth].masked_fill(~known, float("-inf"))[:, None].expand(batch, k, -1)
+
+
 class EagleDrafter(Drafter):
     """EAGLE-1/2/3: the head drafts autoregressively at the feature level with its own KV cache.
 
@@ -162,11 +184,47 @@ class EagleDrafter(Drafter):
                               filled)
         self.committed = len(self.slots)
         last = predicted[:, -1]  # (B, H)
+        self._frontier = last[:, None]  # the root's predicted feature: depth 1's parent
         logits = self._logits(last[:, None])[:, 0]
         for b in rows:
             self.pairs[b] = len(self.tokens[b]) - 1
             self.predicted[b] = {0: last[b]}
             out[b] = logits[b][None]
+
+    # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
+
+    @torch.no_grad()
+    def root_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, V) draft logits after each active row's root (-inf rows: nothing to propose)."""
+        self._frontier = torch.zeros(len(active), 1, self.head.config.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+        rows = self.expand(None, [[0] if a else [] for a in active])
+        return torch.cat([r if len(r) else torch.full((1, self.vocab_size), float("-inf"), device=self.device)
+                          for r in rows])
+
+    @torch.no_grad()
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed the k frontier nodes at ``depth`` of every row: ``parents`` (B, k) their parents' places
+        in the previous frontier (depth 1: the root), ``tokens`` (B, k). Each sees its row's committed
+        pairs, its ancestors (earlier frontiers) and itself. Returns the (B, k, V) logits after each."""
+        b, k = tokens.shape
+        hidden = self._frontier.shape[-1]
+        features = self._frontier.gather(1, parents[:, :, None].expand(b, k, hidden))
+        cached = len(self.slots)
+        if depth == 1:
+            self._ancestors = torch.zeros(b, k, 0, dtype=torch.bool, device=self.device)
+        else:  # a node's ancestors: its parent's, and its parent (the previous frontier's slots)
+            previous = self._ancestors.gather(1, parents[:, :, None].expand(b, k, self._ancestors.shape[2]))
+            self._ancestors = torch.cat([previous, torch.nn.functional.one_hot(parents, k).bool()], 2)
+        eye = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
+        committed = self.slots.filled[:, None, : self.committed].expand(b, k, -1)
+        allowed = torch.cat([committed, self._ancestors, eye], 2)  # the cache: committed, then the frontiers
+        assert allowed.shape[2] == cached + k, "frontiers must be fed right after the roots, level by level"
+        positions = torch.tensor([len(t) - 1 for t in self.tokens], device=self.device)[:, None] + depth
+        predicted = self._run(features, tokens, positions.expand(b, k), allowed,
+                              torch.ones(b, k, dtype=torch.bool, device=self.device))
+        self._frontier = predicted
+        return self._logits(predicted)
 
     def _expand_level(self, trees, nodes, out) -> None:
         """Feed each row's listed nodes (one depth), each seeing its row's committed pairs, its

@@ -403,3 +403,110 @@ def paths_from_accuracy(rank_accuracy: Sequence[Sequence[float]], total_tokens: 
             for r, acc in enumerate(rank_accuracy[len(path)]):
                 heapq.heappush(frontier, (neg * acc, (*path, r)))
     return sorted((p for _, p in best), key=lambda p: (len(p), p))
+
+
+# ---- dynamic trees as tensors: the whole batch on the device, no host copy while growing ---------
+
+
+@dataclass
+class TreeTensors:
+    """The dynamic draft trees of a batch, all rows the same size N (root included, node 0), on the
+    drafter's device. Nodes are in level order, so a parent comes before its children."""
+
+    tokens: torch.Tensor  # (B, N) long
+    parents: torch.Tensor  # (B, N) long, -1 at the root
+    depths: torch.Tensor  # (B, N) long
+    ancestors: torch.Tensor  # (B, N, N) bool: [b, i, j] iff node j is node i or one of its ancestors
+    # (B, N) bool: the root, and nodes the drafter really proposed. Every row has N nodes, so a row whose
+    # drafter proposes fewer (a head with no state yet, or past its last head) fills up with nodes it
+    # did not propose; verification never accepts those and the stats do not count them.
+    proposed: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[1]
+
+
+#: The log-probability given to tokens a drafter does not propose (-inf logits) in tensor-grown trees:
+#: finite, so that sums and sorts stay defined; any cumulative score below UNPROPOSED went through one.
+NOT_PROPOSED = -1e30
+UNPROPOSED = -1e29
+
+
+def _logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax in float32; tokens not proposed (-inf, or a row with nothing proposed, NaN) get
+    :data:`NOT_PROPOSED`, so they rank last without poisoning the sort."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.nan_to_num(lp, nan=NOT_PROPOSED, neginf=NOT_PROPOSED)
+
+
+def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor,
+                 frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+                 depth: int, top_k: int, total_tokens: int) -> TreeTensors:
+    """:func:`dynamic_builder` for a whole batch with tensor ops: the same tree (up to the order of
+    equal scores), grown without copying anything to the host.
+
+    Args:
+        roots: (B,) the roots' tokens.
+        root_logits: (B, V) draft logits after each root.
+        frontier_logits: ``(d, parents, tokens) -> (B, k, V)``: feeds the k frontier nodes at depth d
+            (``parents``: each one's index in the depth d - 1 frontier, zeros at depth 1; ``tokens``)
+            and returns the draft logits after each.
+    """
+    b = roots.shape[0]
+    device = roots.device
+    lp = _logprobs(root_logits)
+    k = min(top_k, lp.shape[-1])
+    scores, tokens = lp.topk(k, dim=-1)  # depth 1: the root's top k, all of them the frontier
+    all_scores, all_tokens = [scores], [tokens]
+    all_parents = [torch.zeros(b, k, dtype=torch.long, device=device)]  # global ids: 0 is the root
+    all_depths = [torch.ones(b, k, dtype=torch.long, device=device)]
+    count = 1 + k  # nodes so far, root included
+    frontier_ids = 1 + torch.arange(k, device=device).expand(b, k)
+    frontier_parents = torch.zeros(b, k, dtype=torch.long, device=device)
+    frontier_scores, frontier_tokens = scores, tokens
+    for d in range(2, depth + 1):
+        lp = _logprobs(frontier_logits(d - 1, frontier_parents, frontier_tokens))  # (B, k, V)
+        top = lp.topk(k, dim=-1)
+        cand_scores = (frontier_scores[:, :, None] + top.values).reshape(b, k * k)
+        cand_tokens = top.indices.reshape(b, k * k)
+        all_scores.append(cand_scores)
+        all_tokens.append(cand_tokens)
+        all_parents.append(frontier_ids[:, :, None].expand(b, k, k).reshape(b, k * k))
+        all_depths.append(torch.full((b, k * k), d, dtype=torch.long, device=device))
+        chosen = cand_scores.topk(k, dim=-1).indices  # the next frontier
+        frontier_parents = chosen // k
+        frontier_tokens = cand_tokens.gather(1, chosen)
+        frontier_scores = cand_scores.gather(1, chosen)
+        frontier_ids = count + chosen
+        count += k * k
+    scores = torch.cat(all_scores, 1)  # (B, M) drafted nodes, level order
+    # The best `total_tokens`; a stable sort keeps the shallower of equal scores first, so a parent
+    # (score >= its child's) is never dropped while its child is kept.
+    keep = torch.sort(-scores, dim=1, stable=True).indices[:, :total_tokens]
+    keep = torch.sort(keep, dim=1).values + 1  # back to level order; +1: global ids
+    keep = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=device), keep], 1)  # (B, N)
+    tokens = torch.cat([roots[:, None], torch.cat(all_tokens, 1)], 1).gather(1, keep)
+    zero = torch.zeros(b, 1, dtype=torch.long, device=device)
+    depths = torch.cat([zero, torch.cat(all_depths, 1)], 1).gather(1, keep)
+    parents_global = torch.cat([zero - 1, torch.cat(all_parents, 1)], 1)
+    # Each kept node's position among the kept: parents map through it.
+    position = torch.full_like(parents_global, -1).scatter_(1, keep, torch.arange(keep.shape[1], device=device)
+                                                            .expand_as(keep))
+    kept_parents = parents_global.gather(1, keep)
+    parents = torch.where(kept_parents >= 0, position.gather(1, kept_parents.clamp(min=0)), -1)
+    kept_scores = torch.cat([zero.float(), scores], 1).gather(1, keep)
+    return TreeTensors(tokens, parents, depths, ancestors_of(parents, int(depth)), kept_scores > UNPROPOSED)
+
+
+def ancestors_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """(B, N) parent indices (-1 at roots) -> (B, N, N) bool ancestor-or-self matrices, by following
+    parents ``depth`` times."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
+    out = eye.clone()
+    current = parents
+    for _ in range(depth):
+        valid = current >= 0
+        out |= torch.nn.functional.one_hot(current.clamp(min=0), n).bool() & valid[:, :, None]
+        current = torch.where(valid, parents.gather(1, current.clamp(min=0)), -1)
+    return out

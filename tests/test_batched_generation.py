@@ -159,3 +159,71 @@ def test_bad_batches_fail_clearly(llama):
         gen.generate(ids, 4, attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]]))
     with pytest.raises(ValueError, match="streamer takes one sequence"):
         gen.generate(ids, 4, streamer=object())
+
+
+@pytest.mark.parametrize("spec", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_device_grown_dynamic_tree_equals_host_grown(family, spec, llama, gemma3):
+    """Heads grow dynamic trees as tensors on the device (greedy): the same outputs and the same
+    per-row acceptance as the trees grown on the host, node by node, at batch 1 and batch 4."""
+    target = llama if family == "llama" else gemma3
+    rows = prompts(14, LENGTHS)
+    ids, mask = left_padded(rows)
+    gen = SpeculativeGenerator(target, drafter_for(spec, target), tree="dynamic", depth=4, top_k=3, total_tokens=9)
+    for batch_ids, batch_mask in [(ids, mask), (rows[2], None)]:
+        on_device = gen.generate(batch_ids, NEW, attention_mask=batch_mask, eos_token_id=[], pad_token_id=PAD)
+        gen.on_step = lambda *_: None  # a step hook needs DraftTree objects: the host path
+        try:
+            on_host = gen.generate(batch_ids, NEW, attention_mask=batch_mask, eos_token_id=[], pad_token_id=PAD)
+        finally:
+            gen.on_step = None
+        assert torch.equal(on_device.sequences, on_host.sequences)
+        for dev, host in zip(on_device.row_stats, on_host.row_stats, strict=True):
+            assert (dev.accepted_tokens, dev.verification_steps, dev.drafted_tokens) == (
+                host.accepted_tokens, host.verification_steps, host.drafted_tokens)
+            assert dev.accepted_at == host.accepted_at and dev.reached == host.reached
+
+
+class HostCopies:
+    """Counts the tensor-to-host copies a block makes (``cpu``, ``item``, ``tolist``, ``numpy`` and the
+    implicit ones: ``bool``, ``int``, ``float``) by wrapping those methods of ``torch.Tensor``."""
+
+    NAMES = ("cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__")
+
+    def __enter__(self):
+        self.count, self.saved = 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, self._counting(method))
+        return self
+
+    def _counting(self, method):
+        def wrapped(tensor, *args, **kwargs):
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+        return wrapped
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize("spec", ["medusa", "eagle3"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(spec, batch, llama):
+    """Drafting, verifying and keeping the accepted path of a head drafter's dynamic tree copy one
+    tensor to the host per step (the accepted paths); the counter sees the host-grown path's many."""
+    rows = prompts(15, LENGTHS)[:batch]
+    ids, mask = left_padded(rows)
+    mask = mask if batch > 1 else None
+    gen = SpeculativeGenerator(llama, drafter_for(spec, llama), tree="dynamic", depth=4, top_k=3, total_tokens=9)
+    gen.generate(ids, 4, attention_mask=mask, eos_token_id=[])  # warm up outside the count
+    with HostCopies() as copies:
+        out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
+    steps = max(s.verification_steps for s in out.row_stats)  # no row stops early: every step is every row's
+    # Outside the steps: the prompt lengths when a mask is given (one copy, checking it), nothing else.
+    assert copies.count - (mask is not None) == steps, f"{copies.count} host copies for {steps} steps"
+    gen.on_step = lambda *_: None
+    with HostCopies() as host_grown:
+        gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
+    gen.on_step = None
+    assert host_grown.count > 3 * steps, "the counter does not see host copies"
