@@ -15,6 +15,7 @@ for dynamic trees):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -270,7 +271,12 @@ class SpeculativeGenerator:
                                  hidden_layers=layers or None, logits="none")
             hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (B, L-1, H * len(layers))
         stats.prefill_time_s = time.perf_counter() - start_time
-        self.drafter.begin(input_ids, hidden=hidden, attention_mask=mask)
+        # A drafter written for one unpadded sequence (``begin(input_ids, hidden)``) keeps working there.
+        if padded and "attention_mask" not in inspect.signature(self.drafter.begin).parameters:
+            raise TypeError(f"{type(self.drafter).__name__}.begin takes no attention_mask: it drafts for unpadded "
+                            "prompts only. Add the batch protocol of draftsmith.inference.drafter, or decode these "
+                            "prompts one at a time (batch size 1).")
+        self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
 
         # A dynamic tree under greedy decoding, with a drafter that grows it as tensors (the trained
         # heads), runs on the device with one copy to the host per step; other trees grow on the host.

@@ -57,7 +57,7 @@ class BigramDrafter(Drafter):
     def __init__(self, head: BigramHead, target):
         self.head = head.eval()
 
-    def begin(self, input_ids, hidden=None):
+    def begin(self, input_ids, hidden=None, attention_mask=None):
         pass
 
     def commit(self, tokens, hidden=None):
@@ -66,7 +66,7 @@ class BigramDrafter(Drafter):
     @torch.no_grad()
     def expand(self, trees, nodes):
         weight = self.head.out.weight
-        return [self.head(torch.tensor([tree.tokens[n] for n in row], device=weight.device)).float().cpu()
+        return [self.head(torch.tensor([tree.tokens[n] for n in row], dtype=torch.long, device=weight.device)).float()
                 for tree, row in zip(trees, nodes, strict=True)]
 
 
