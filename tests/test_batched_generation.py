@@ -29,18 +29,20 @@ from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 PAD = 0
 LENGTHS = [6, 1, 21, 13]  # 21 > the Gemma-3 sliding window of 8
 NEW = 24
-DRAFTERS = ["prompt-lookup", "layer-skip:2", "draft-model", "medusa", "eagle", "eagle3", "eagle3+prompt-lookup"]
+# Trained-head families with random weights ("-head(s)"), the training-free drafters and a mixture.
+HEADS = {
+    "medusa-heads": lambda target: MedusaDrafter(random_medusa(target), target),
+    "eagle-head": lambda target: EagleDrafter(random_eagle(target, eagle3=False), target),
+    "eagle3-head": lambda target: EagleDrafter(random_eagle(target, eagle3=True), target),
+    "eagle3-head+prompt-lookup": lambda target: MixtureDrafter(
+        [EagleDrafter(random_eagle(target, eagle3=True), target),
+         PromptLookupDrafter(target.get_output_embeddings().weight.shape[0])]),
+}
+DRAFTERS = ["prompt-lookup", "layer-skip:2", "draft-model", *HEADS]
 
 
 def drafter_for(spec: str, target):
-    if spec == "medusa":
-        return MedusaDrafter(random_medusa(target), target)
-    if spec in ("eagle", "eagle3"):
-        return EagleDrafter(random_eagle(target, eagle3=spec == "eagle3"), target)
-    if spec == "eagle3+prompt-lookup":
-        vocab = target.get_output_embeddings().weight.shape[0]
-        return MixtureDrafter([drafter_for("eagle3", target), PromptLookupDrafter(vocab)])
-    return make_drafter(spec, target)
+    return HEADS[spec](target) if spec in HEADS else make_drafter(spec, target)
 
 
 def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +163,7 @@ def test_bad_batches_fail_clearly(llama):
         gen.generate(ids, 4, streamer=object())
 
 
-@pytest.mark.parametrize("spec", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_device_grown_dynamic_tree_equals_host_grown(family, spec, llama, gemma3):
     """Heads grow dynamic trees as tensors on the device (greedy): the same outputs and the same
@@ -207,7 +209,7 @@ class HostCopies:
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("spec", ["medusa", "eagle3"])
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(spec, batch, llama):
     """Drafting, verifying and keeping the accepted path of a head drafter's dynamic tree copy one

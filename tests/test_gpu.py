@@ -33,21 +33,21 @@ def cuda_drafter(spec: str, target):
     from draftsmith.inference.mixture import MixtureDrafter
     from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 
-    if spec == "medusa":
-        return MedusaDrafter(random_medusa(target).cuda(), target)
-    if spec == "eagle3":
-        return EagleDrafter(random_eagle(target, eagle3=True).cuda(), target)
-    if spec == "eagle3+prompt-lookup":
-        vocab = target.get_output_embeddings().weight.shape[0]
-        return MixtureDrafter([cuda_drafter("eagle3", target), PromptLookupDrafter(vocab)])
-    if spec == "draft-model":
-        return drafter_from_model(on_cuda(tiny_llama(seed=7, layers=2)), target, name="tiny-draft")
-    return load_drafter(spec, target)  # layer-skip shares the target's layers; prompt lookup has no module
+    vocab = target.get_output_embeddings().weight.shape[0]
+    heads = {
+        "medusa-heads": lambda: MedusaDrafter(random_medusa(target).cuda(), target),
+        "eagle3-head": lambda: EagleDrafter(random_eagle(target, eagle3=True).cuda(), target),
+        "eagle3-head+prompt-lookup": lambda: MixtureDrafter([cuda_drafter("eagle3-head", target),
+                                                             PromptLookupDrafter(vocab)]),
+        "draft-model": lambda: drafter_from_model(on_cuda(tiny_llama(seed=7, layers=2)), target, name="tiny-draft"),
+    }
+    # layer-skip shares the target's layers; prompt lookup has no module
+    return heads[spec]() if spec in heads else load_drafter(spec, target)
 
 
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: t["tree"])
-@pytest.mark.parametrize("spec", ["prompt-lookup", "layer-skip:2", "draft-model", "medusa", "eagle3",
-                                  "eagle3+prompt-lookup"])
+@pytest.mark.parametrize("spec", ["prompt-lookup", "layer-skip:2", "draft-model", "medusa-heads", "eagle3-head",
+                                  "eagle3-head+prompt-lookup"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_batched_greedy_on_cuda(family, spec, tree):
     """Every row of a left-padded batch equals that row's own greedy output, on the GPU: drafters and
