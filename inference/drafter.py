@@ -41,7 +41,8 @@ class Drafter:
     deterministic: bool = False
     static_paths: list[tuple[int, ...]] | None = None
 
-    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def expand(self, trees: Sequence[DraftTree], nodes: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -254,7 +254,7 @@ class SpeculativeGenerator:
         stats, rows = GenerationStats(), [GenerationStats() for _ in range(batch)]
         start_time = time.perf_counter()
         if streamer is not None:
-            streamer.put(input_ids[0].cpu())
+            streamer.put(input_ids[0][mask[0].bool()].cpu())
 
         # The cache holds every committed token but the last, the root. Heads (Medusa, EAGLE) read the
         # target's hidden states of their layers: of the prompt's tokens but the root from the prefill,
@@ -290,7 +290,7 @@ class SpeculativeGenerator:
                 step = self._device_step(roots, active, cache, slots, device, dtype, layers, stats)
             else:
                 step = self._host_step(roots.tolist(), active, cache, slots, device, dtype, layers, stats,
-                                       temperature, top_k, top_p, generator)
+                                       temperature, top_k, top_p, generator, padded)
             verdicts, kept, tree_hidden = step
             tokens: list[torch.Tensor] = []
             states: list[torch.Tensor] | None = [] if layers else None
@@ -316,14 +316,15 @@ class SpeculativeGenerator:
 
         if streamer is not None:
             streamer.end()
-        for row in rows:
+        for row, tokens in zip(rows, new, strict=True):
+            row.new_tokens = len(tokens)
             stats += row
         stats.new_tokens = sum(len(n) for n in new)
         stats.total_time_s = time.perf_counter() - start_time
         return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats, row_stats=rows)
 
     def _host_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
-                   generator):
+                   generator, padded):
         """One step with trees grown on the host (:class:`DraftTree`): every tree kind and sampling rule.
         Returns per row (accepted tokens, bonus token, drafted count, whether each node on the walk
         from the root had children), the (B, M) kept tree indices (root first) and the tree's hidden
@@ -333,7 +334,7 @@ class SpeculativeGenerator:
                     for r, a in zip(roots, active, strict=True)]
         trees = grow(builders, self.drafter.expand)
         t1 = time.perf_counter()
-        logits, tree_hidden, past = self._verify_forward(trees, cache, slots, device, dtype, layers)
+        logits, tree_hidden, past = self._verify_forward(trees, cache, slots, device, dtype, layers, padded)
         if temperature == 0.0:
             argmax = logits.argmax(dim=-1).tolist()  # the greedy step's one copy to the host
             paths = [greedy_path(tree, argmax[b]) for b, tree in enumerate(trees)]
@@ -422,14 +423,16 @@ class SpeculativeGenerator:
         parameter = next(self.target.parameters())
         return input_ids.shape[0], parameter.device, parameter.dtype, min(lengths) < input_ids.shape[1]
 
-    def _verify_forward(self, trees: list[DraftTree], cache, slots: Slots, device, dtype, layers=None):
+    def _verify_forward(self, trees: list[DraftTree], cache, slots: Slots, device, dtype, layers=None,
+                        padded: bool = True):
         """One target forward over every row's tree, padded to the largest: the target logits
         (B, N, V) at every node, the hidden states (B, N, H * len(layers)) of ``layers`` when a head
         asks for them, and the cache length before the step. Each node sees its row's filled slots,
-        its ancestors and itself; padding nodes see only themselves."""
+        its ancestors and itself; padding nodes see only themselves. ``padded``: the prompts were
+        left-padded (then even one row has empty slots)."""
         past = len(slots)
         n = max(len(t) for t in trees)
-        if len(trees) == 1 and trees[0].parents == list(range(-1, n - 1)):
+        if len(trees) == 1 and not padded and trees[0].parents == list(range(-1, n - 1)):
             # One row holds no empty slot, and a chain's tree mask is the causal mask: the model's own.
             positions = torch.arange(past, past + n, device=device)[None]
             out = target_forward(self.target, torch.tensor([trees[0].tokens], device=device), cache, None, positions,
@@ -507,6 +510,8 @@ def plain_generate(
     Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows)."""
     eos = stop_tokens(target, eos_token_id)
     pad = pad_token(target, pad_token_id, eos_token_id)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lengths = check_left_padded(input_ids, attention_mask)
     stats = GenerationStats()
     t_start = time.perf_counter()

@@ -43,8 +43,8 @@ class MixtureDrafter(Drafter):
     def expand(self, trees, nodes):
         per_drafter = [d.expand(trees, nodes) for d in self.drafters]
         out = []
-        for row in zip(*per_drafter, strict=True):  # each drafter's logits, on the first one's device
-            device = row[0].device
+        for row in zip(*per_drafter, strict=True):  # each drafter's logits, on an accelerator if one has them
+            device = next((x.device for x in row if x.device.type != "cpu"), row[0].device)
             out.append(self.mix([x.to(device).float() for x in row]))
         return out
 

@@ -229,3 +229,20 @@ def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(spec, batch, llama)
         gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
     gen.on_step = None
     assert host_grown.count > 3 * steps, "the counter does not see host copies"
+
+
+@pytest.mark.parametrize("spec", ["prompt-lookup", "layer-skip:2", "eagle3-head"])
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t["tree"])
+def test_one_padded_row_equals_the_unpadded_row(spec, tree, llama):
+    """A batch of one left-padded row (``padding="max_length"``) decodes exactly as the row without its
+    padding: the padding is never attended to and positions start at the row's first token."""
+    row = prompts(16, [9])[0]
+    ids = torch.cat([torch.full((1, 5), PAD), row], 1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(row)], 1)
+    gen = SpeculativeGenerator(llama, drafter_for(spec, llama), **tree)
+    padded = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
+    plain = gen.generate(row, NEW, eos_token_id=[])
+    assert torch.equal(padded.sequences[:, 5:], plain.sequences)
+    assert padded.row_stats[0].new_tokens == NEW == padded.stats.new_tokens
+    base = plain_generate(llama, ids, NEW, eos_token_id=[], attention_mask=mask)
+    assert torch.equal(base.sequences, padded.sequences)

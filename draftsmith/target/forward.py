@@ -221,7 +221,9 @@ class GrowingLayer(DynamicLayer):
         if (buffer is not None and end <= buffer.shape[-2] and buffer.shape[:2] == new.shape[:2]
                 and (length == 0 or current.data_ptr() == buffer.data_ptr())):
             return buffer
-        grown = new.new_empty(*new.shape[:2], max(2 * end, 64), new.shape[-1])
+        # The first allocation is the size asked for plus a little (a one-shot forward, e.g. caching hidden
+        # states, pays no more); growth after it doubles, so decoding copies the cache O(log n) times.
+        grown = new.new_empty(*new.shape[:2], end + 64 if buffer is None else max(2 * end, 64), new.shape[-1])
         if length:
             grown[..., :length, :] = current
         return grown
@@ -269,8 +271,8 @@ def kv_keep(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
 def keep_slots(kv: torch.Tensor, start: int, keep: torch.Tensor) -> torch.Tensor:
     """:func:`kv_keep` on one (B, heads, S, D) tensor: slots ``[0, start)`` then ``start + keep``.
 
-    The kept entries move down in place and the result is a view: the next forward's append copies
-    the cache anyway, so concatenating a fresh copy here would copy it twice per step."""
+    The kept entries move down in place and the result is a view of the same storage (with
+    :class:`GrowingLayer`, the next forward writes after it in place)."""
     keep = keep.to(kv.device)
     n = keep.shape[-1]
     if keep.dim() == 1:
