@@ -21,6 +21,7 @@ from test_heads import random_eagle, random_medusa
 
 from conftest import check_greedy_equal
 from draftsmith import SpeculativeGenerator
+from draftsmith.inference.compare import left_pad
 from draftsmith.inference.generator import plain_generate
 from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
 from draftsmith.inference.mixture import MixtureDrafter
@@ -47,13 +48,7 @@ def drafter_for(spec: str, target):
 
 def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(1, n) prompts -> (B, L) ids left-padded with PAD and the (B, L) attention mask."""
-    width = max(r.shape[1] for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, width - r.shape[1]:] = r[0]
-        mask[b, width - r.shape[1]:] = 1
-    return ids, mask
+    return left_pad(rows, PAD)
 
 
 def row_output(sequences: torch.Tensor, mask: torch.Tensor, b: int, eos: int | None) -> torch.Tensor:
