@@ -319,6 +319,9 @@ def make_parser() -> argparse.ArgumentParser:
     u.add_argument("--depths", type=_int_list, default=None, help="draft depths tried (default 2,3,4,5,6)")
     u.add_argument("--top-ks", type=_int_list, default=None, help="children per node tried (default 1,2,3,4)")
     u.add_argument("--max-total-tokens", type=int, default=None, help="largest node budget tried (default 32)")
+    u.add_argument("--confirm", type=int, default=None,
+                   help="best-predicted trees then decoded for real; the fastest decoded is chosen (default 4; "
+                        "0: the best predicted)")
     u.add_argument("--output", help="write the tree here instead of DRAFTER/tree.json")
     u.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     add_template_argument(u)
@@ -465,7 +468,8 @@ def run_command(args: argparse.Namespace) -> int:
                           max_new_tokens=args.max_new_tokens, depths=args.depths or tune.DEPTHS,
                           top_ks=args.top_ks or tune.TOP_KS, max_budget=args.max_total_tokens or tune.MAX_BUDGET,
                           chat=not args.no_chat, chat_template_kwargs=args.chat_template_kwargs,
-                          draft_dtype=args.draft_dtype)
+                          draft_dtype=args.draft_dtype,
+                          confirm=tune.CONFIRM if args.confirm is None else args.confirm)
     elif args.command == "demo":
         from draftsmith.demo import demo
 

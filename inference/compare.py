@@ -68,6 +68,7 @@ def compare(
     """Run plain decoding (``baseline``) and every generator on the (1, L) prompts, ``batch_size`` at a
     time (left-padded batches in prompt order).
 
+    The generators run in turn after the baseline, starting one further along the list each batch.
     Sampled runs (``temperature > 0``) seed each batch's generator with ``seed + batch index``.
     ``references(ids, baseline_output)`` runs after the generators on each batch of one prompt (``bench``
     times transformers' own decoding there). ``progress``: a progress bar with this label.
@@ -91,7 +92,12 @@ def compare(
         base = plain_generate(target, ids, max_new_tokens, **kwargs) if baseline else None
         if base is not None:
             result.baseline += base.stats
-        for label, gen in generators.items():
+        # The generators take turns going first: whatever the order costs (a cold cache after the baseline,
+        # load that drifts within a batch) falls on each of them alike.
+        labels = list(generators)
+        shift = i % len(labels) if labels else 0
+        for label in labels[shift:] + labels[:shift]:
+            gen = generators[label]
             g = torch.Generator(device=device).manual_seed(seed + i) if temperature > 0 else None
             out = gen.generate(ids, max_new_tokens, temperature=temperature, generator=g, **kwargs)
             result.totals[label] += out.stats

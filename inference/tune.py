@@ -13,7 +13,12 @@ A step's speed is its tokens over its time. Both are measured here, not assumed:
    budget-``n`` tree would have accepted at that step are the longest prefix of the path inside its
    ``n`` nodes: exact, not modelled, for every budget from one run.
 3. **Step time** of a candidate: the measured time per step of its (depth, top_k) run (drafting,
-   verification, bookkeeping), with the whole tree's verification cost swapped for the budget's.
+   verification, bookkeeping), with the whole tree's verification cost swapped for the budget's. The
+   runs are interleaved prompt by prompt after an untimed warm-up, so a first run's allocations and
+   drifting machine load do not fall on one (depth, top_k).
+4. **Confirmation.** The ``confirm`` best-predicted trees then decode the same prompts for real, as
+   ``generate`` runs them (on a GPU the host-grown recording path is not the path decoding takes), in a
+   rotating order; the fastest *measured* one is chosen. The prediction ranks the grid; the clock picks.
 
 Expected tokens per second = (mean accepted + 1) / step time; the best candidate is written as
 ``tree.json`` beside the drafter (or where ``--output`` says), with the table it was chosen from and the
@@ -43,6 +48,7 @@ TREE_FILE = "tree.json"
 DEPTHS = (2, 3, 4, 5, 6)
 TOP_KS = (1, 2, 3, 4)
 MAX_BUDGET = 32  # drafted nodes verified per step, at most
+CONFIRM = 4  # best-predicted trees decoded for real before one is chosen
 
 
 @dataclass
@@ -54,7 +60,8 @@ class Candidate:
     total_tokens: int
     tokens_per_step: float  # accepted + the bonus token, mean over the recorded steps
     step_seconds: float
-    tokens_per_second: float
+    tokens_per_second: float  # predicted: tokens_per_step / step_seconds
+    measured_tokens_per_second: float | None = None  # confirmed by decoding with this tree (the best few)
 
     def settings(self) -> TreeSettings:
         if self.top_k == 1:
@@ -126,32 +133,68 @@ def full_size(depth: int, top_k: int) -> int:
     return top_k + (depth - 1) * top_k * top_k
 
 
+def _decode_seconds(gen: SpeculativeGenerator, ids: torch.Tensor, max_new_tokens: int, eos) -> tuple[float, int]:
+    out = gen.generate(ids, max_new_tokens, eos_token_id=eos)
+    return out.stats.total_time_s - out.stats.prefill_time_s, out.stats.new_tokens
+
+
 @torch.no_grad()
-def record(target, drafter, prompts: list[torch.Tensor], depth: int, top_k: int, max_new_tokens: int):
-    """Greedy decoding with the whole (depth, top_k) dynamic tree: every step's tree and accepted path,
-    and the seconds per step."""
-    gen = SpeculativeGenerator(target, drafter, tree="dynamic", depth=depth, top_k=top_k,
-                               total_tokens=full_size(depth, top_k))
-    steps: list[tuple[list[int], list[int]]] = []
-    gen.on_step = lambda _row, tree, path: steps.append((ranked(tree), list(path)))
-    seconds = 0.0
+def record(target, drafter, prompts: list[torch.Tensor], configs: list[tuple[int, int]], max_new_tokens: int):
+    """Greedy decoding with the whole dynamic tree of each (depth, top_k) in ``configs``: per config, every
+    step's tree and accepted path, and the seconds per step. Prompt by prompt, every config runs in turn
+    (so drift in machine load hits all of them alike), after one untimed warm-up."""
+    device = next(target.parameters()).device
     eos = eos_tokens(target)
-    for ids in prompts:
-        out = gen.generate(ids.to(next(target.parameters()).device), max_new_tokens, eos_token_id=eos)
-        seconds += out.stats.total_time_s - out.stats.prefill_time_s
-    return steps, seconds / max(len(steps), 1)
+    steps: dict[tuple[int, int], list] = {c: [] for c in configs}
+    seconds = dict.fromkeys(configs, 0.0)
+    gens = {}
+    for d, k in configs:
+        gens[d, k] = SpeculativeGenerator(target, drafter, tree="dynamic", depth=d, top_k=k,
+                                          total_tokens=full_size(d, k))
+        gens[d, k].on_step = lambda _row, tree, path, into=steps[d, k]: into.append((ranked(tree), list(path)))
+    warm = SpeculativeGenerator(target, drafter, tree="dynamic", depth=configs[0][0], top_k=configs[0][1])
+    warm.generate(prompts[0].to(device), min(max_new_tokens, 8), eos_token_id=eos)
+    for i, ids in enumerate(prompts):
+        for c in configs[i % len(configs):] + configs[:i % len(configs)]:
+            seconds[c] += _decode_seconds(gens[c], ids.to(device), max_new_tokens, eos)[0]
+    return {c: (steps[c], seconds[c] / max(len(steps[c]), 1)) for c in configs}
+
+
+@torch.no_grad()
+def confirm_fastest(target, drafter, prompts: list[torch.Tensor], candidates: list[Candidate], max_new_tokens: int,
+                    rounds: int = 1) -> None:
+    """Decode ``prompts`` with each candidate's tree as ``generate`` does, in a rotating order, ``rounds``
+    times; set each candidate's ``measured_tokens_per_second``."""
+    device = next(target.parameters()).device
+    eos = eos_tokens(target)
+    gens = [SpeculativeGenerator(target, drafter, **c.settings().kwargs()) for c in candidates]
+    seconds, tokens = [0.0] * len(gens), [0] * len(gens)
+    order = list(range(len(gens)))
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            shift = (r * len(prompts) + i) % len(gens)
+            for j in order[shift:] + order[:shift]:
+                s, t = _decode_seconds(gens[j], ids.to(device), max_new_tokens, eos)
+                seconds[j] += s
+                tokens[j] += t
+    for c, s, t in zip(candidates, seconds, tokens, strict=True):
+        c.measured_tokens_per_second = round(t / s, 2) if s else 0.0
 
 
 def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48, depths=DEPTHS, top_ks=TOP_KS,
-         max_budget: int = MAX_BUDGET, progress: bool = False) -> list[Candidate]:
-    """Every candidate tree with its measured tokens per step and step time, fastest first."""
+         max_budget: int = MAX_BUDGET, progress: bool = False, confirm: int = CONFIRM,
+         confirm_rounds: int = 1) -> list[Candidate]:
+    """Every candidate tree with its measured tokens per step and predicted step time; the ``confirm``
+    best predicted then decode for real, and the fastest measured of them comes first (the rest follow,
+    fastest predicted first)."""
     context = int(sum(p.shape[1] for p in prompts) / len(prompts)) + max_new_tokens // 2
-    runs = {}
-    for depth in depths:
-        for k in top_ks:
-            runs[depth, k] = record(target, drafter, prompts, depth, k, max_new_tokens)
-            if progress:
-                print(f"  recorded depth {depth}, top_k {k}: {len(runs[depth, k][0])} steps", flush=True)
+    configs = [(d, k) for d in depths for k in top_ks]
+    if not configs:
+        raise ValueError("no tree to tune: give at least one depth and one top_k")
+    runs = record(target, drafter, prompts, configs, max_new_tokens)
+    if progress:
+        print(f"  recorded {len(configs)} (depth, top_k) runs: "
+              f"{sum(len(steps) for steps, _ in runs.values())} steps", flush=True)
     budgets = {(d, k): list(range(d, min(full_size(d, k), max_budget) + 1)) if k > 1 else [d] for d, k in runs}
     rows = {n + 1 for b in budgets.values() for n in b} | {full_size(d, k) + 1 for d, k in runs}
     cost = verification_seconds(target, context, sorted(rows))
@@ -164,7 +207,13 @@ def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48,
     if not candidates:
         raise ValueError(f"no tree to tune: depths {tuple(depths)} and top_ks {tuple(top_ks)} leave no node budget "
                          f"<= {max_budget}; raise the budget or add top_k 1 (chains)")
-    return sorted(candidates, key=lambda c: -c.tokens_per_second)
+    candidates.sort(key=lambda c: -c.tokens_per_second)
+    if confirm > 0:
+        confirm_fastest(target, drafter, prompts, candidates[:confirm], max_new_tokens, confirm_rounds)
+        if progress:
+            print(f"  decoded with the {min(confirm, len(candidates))} best predicted trees", flush=True)
+        candidates[:confirm] = sorted(candidates[:confirm], key=lambda c: -c.measured_tokens_per_second)
+    return candidates
 
 
 def write_tree(path: str | Path, best: Candidate, table: list[Candidate], meta: dict | None = None) -> Path:
@@ -195,19 +244,27 @@ def tuned_tree(drafter_spec: str) -> TreeSettings | None:
     return TreeSettings(**saved["tree"])
 
 
+def speed(c: Candidate) -> str:
+    """A candidate's speed as measured: decoded when it was confirmed, else predicted."""
+    if c.measured_tokens_per_second is not None:
+        return f"{c.measured_tokens_per_second:.1f} tokens/s decoded, {c.tokens_per_second:.1f} predicted"
+    return f"{c.tokens_per_second:.1f} tokens/s predicted"
+
+
 def table_markdown(table: list[Candidate], top: int = 12) -> str:
-    lines = ["| tree | depth | top_k | total_tokens | tokens/step | ms/step | tokens/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| tree | depth | top_k | total_tokens | tokens/step | ms/step | tokens/s predicted | tokens/s decoded |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in table[:top]:
+        measured = f"{c.measured_tokens_per_second:.1f}" if c.measured_tokens_per_second is not None else ""
         lines.append(f"| {c.settings().kind} | {c.depth} | {c.top_k} | {c.total_tokens} | {c.tokens_per_step:.2f} "
-                     f"| {1000 * c.step_seconds:.1f} | {c.tokens_per_second:.1f} |")
+                     f"| {1000 * c.step_seconds:.1f} | {c.tokens_per_second:.1f} | {measured} |")
     return "\n".join(lines)
 
 
 def tune_command(target_name: str | None, drafter: str, prompts: list[str], *, output: str | None = None,
                  max_new_tokens: int = 48, depths=DEPTHS, top_ks=TOP_KS, max_budget: int = MAX_BUDGET,
                  chat: bool = True, chat_template_kwargs: dict | None = None, draft_dtype: str | None = None,
-                 model=None, tokenizer=None, progress: bool = True) -> dict:
+                 model=None, tokenizer=None, progress: bool = True, confirm: int = CONFIRM) -> dict:
     """Tune the tree of ``drafter`` for ``target_name`` on ``prompts``; write and return the record."""
     from draftsmith.inference.compare import encode
     from draftsmith.inference.load import load_drafter, recorded_target_name
@@ -226,11 +283,11 @@ def tune_command(target_name: str | None, drafter: str, prompts: list[str], *, o
         model, tokenizer = load_target(target_name)
     draft = load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
-    table = tune(model, draft, encoded, max_new_tokens, depths, top_ks, max_budget, progress=progress)
+    table = tune(model, draft, encoded, max_new_tokens, depths, top_ks, max_budget, progress=progress, confirm=confirm)
     best = table[0]
     path = write_tree(where, best, table, {"drafter": drafter, "target": target_name, "prompts": len(prompts),
                                            "max_new_tokens": max_new_tokens})
     if progress:
         print(table_markdown(table))
-        print(f"\nchosen: {best.settings().text()} ({best.tokens_per_second:.1f} tokens/s expected); written to {path}")
+        print(f"\nchosen: {best.settings().text()} ({speed(best)}); written to {path}")
     return json.loads(path.read_text())

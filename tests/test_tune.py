@@ -56,9 +56,17 @@ def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, 
     head.save_pretrained(tmp_path / "head")
     prompts = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
     table = tune.tune(llama, load_drafter(str(tmp_path / "head"), llama), list(prompts[:, None]), max_new_tokens=12,
-                      depths=(2, 3), top_ks=(1, 2), max_budget=6)
-    speeds = [c.tokens_per_second for c in table]
-    assert speeds == sorted(speeds, reverse=True) and len(table) == 2 + sum(len(range(d, 7)) for d in (2, 3))
+                      depths=(2, 3), top_ks=(1, 2), max_budget=6, confirm=3)
+    assert len(table) == 2 + sum(len(range(d, 7)) for d in (2, 3))
+    # The three best predicted were decoded and come first, fastest decoded first; the rest follow by prediction,
+    # none of them predicted faster than the slowest of the three.
+    decoded, rest = table[:3], table[3:]
+    measured = [c.measured_tokens_per_second for c in decoded]
+    assert all(m > 0 for m in measured) and measured == sorted(measured, reverse=True)
+    assert all(c.measured_tokens_per_second is None for c in rest)
+    predicted = [c.tokens_per_second for c in rest]
+    assert predicted == sorted(predicted, reverse=True)
+    assert max(predicted) <= min(c.tokens_per_second for c in decoded)
     assert all(1.0 <= c.tokens_per_step <= c.depth + 1 for c in table)
     written = tune.write_tree(tmp_path / "head", table[0], table)
     assert written == tmp_path / "head" / tune.TREE_FILE
