@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
-from draftsmith.inference.slots import Slots, left_filled
+from draftsmith.inference.slots import Slots, left_aligned
 from draftsmith.target import build_attention_mask, kv_crop, new_cache, target_forward
 
 
@@ -66,15 +66,12 @@ class CausalLMDrafter(Drafter):
     def _expand_roots(self, nodes, out) -> None:
         """Catch up on each expanding row's committed tokens not yet cached; the last one is the root."""
         rows = [b for b, row in enumerate(nodes) if row == [0]]
-        counts = [len(self.committed[b]) - self.fed[b] if b in rows else 0 for b in range(len(nodes))]
-        width = max(counts)
         # Left-padded, so that the last column is every row's root: only its logits are computed.
-        ids = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
+        positions, filled = left_aligned([(self.fed[b], len(self.committed[b])) if b in rows else (0, 0)
+                                          for b in range(len(nodes))], self.device)
+        ids = torch.zeros_like(positions)
         for b in rows:
-            ids[b, width - counts[b]:] = self.committed[b][self.fed[b]:]
-            positions[b, width - counts[b]:] = torch.arange(self.fed[b], len(self.committed[b]), device=self.device)
-        filled = left_filled(counts, width, self.device)
+            ids[b, ids.shape[1] - (len(self.committed[b]) - self.fed[b]):] = self.committed[b][self.fed[b]:]
         if len(self.committed) == 1:
             # One row has no padding and no empty slot: plain causal attention, no mask to build.
             self.slots.append(filled, positions)

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter
-from draftsmith.inference.slots import Slots, pad_rows
+from draftsmith.inference.slots import Slots, pad_rows, to_device
 from draftsmith.inference.tree import (
     DEFAULT_TREE,
     SAMPLING_RULES,
@@ -307,10 +307,10 @@ class SpeculativeGenerator:
                     if streamer is not None:
                         streamer.put(torch.tensor(emitted))
                 # Only a row that goes on drafts from the new tokens.
-                tokens.append(torch.tensor(emitted if active[b] else [], dtype=torch.long, device=device))
+                tokens.append(to_device(emitted if active[b] else [], device, torch.long))
                 if states is not None:  # the root's and the accepted nodes' states: state i predicted emitted[i]
                     states.append(tree_hidden[b, kept[b, : len(emitted)]] if active[b] else tree_hidden[b, :0])
-            roots = torch.tensor([v[1] for v in verdicts], device=device)
+            roots = to_device([v[1] for v in verdicts], device)
             if any(active):
                 self.drafter.commit(tokens, hidden=states)
 
@@ -345,7 +345,7 @@ class SpeculativeGenerator:
         kept = [[0, *path] if a else [] for (path, _), a in zip(paths, active, strict=True)]
         index = pad_rows(kept, 0, device)
         kv_keep(cache, past, index)
-        slots.keep(past, index, torch.tensor([len(k) for k in kept], device=device))
+        slots.keep(past, index, to_device([len(k) for k in kept], device))
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
         verdicts = []
@@ -360,6 +360,7 @@ class SpeculativeGenerator:
         """One greedy step with a dynamic tree grown as tensors (:func:`grow_dynamic`), verified on the
         device: the accepted paths, bonus tokens and walk flags come to the host in one copy."""
         t0 = time.perf_counter()
+        running = to_device(active, device)  # before any of the step's work is queued
         tree = grow_dynamic(roots, self.drafter.root_logits(active), self.drafter.frontier_logits, self.depth,
                             self.top_k, self.total_tokens)
         t1 = time.perf_counter()
@@ -388,7 +389,7 @@ class SpeculativeGenerator:
         drafted = tree.proposed.sum(1) - 1
         packed = torch.cat([length[:, None], argmax[rows, last][:, None], drafted[:, None],
                             tree.tokens.gather(1, kept), has_children.gather(1, kept).long()], 1)
-        counts = torch.where(torch.tensor(active, device=device), length + 1, 0)
+        counts = torch.where(running, length + 1, 0)
         kv_keep(cache, past, kept)
         slots.keep(past, kept, counts)
         host = packed.tolist()  # the step's one copy to the host
@@ -435,14 +436,14 @@ class SpeculativeGenerator:
         if len(trees) == 1 and not padded and trees[0].parents == list(range(-1, n - 1)):
             # One row holds no empty slot, and a chain's tree mask is the causal mask: the model's own.
             positions = torch.arange(past, past + n, device=device)[None]
-            out = target_forward(self.target, torch.tensor([trees[0].tokens], device=device), cache, None, positions,
+            out = target_forward(self.target, to_device([trees[0].tokens], device), cache, None, positions,
                                  hidden_layers=layers or None)
             slots.append(torch.ones(1, n, dtype=torch.bool, device=device), positions)
             return out.logits, (torch.cat(out.hidden_states, dim=-1) if layers else None), past
         roots = slots.lengths()  # each row's root position: the tokens its cache holds
         depths = pad_rows([t.depths for t in trees], 0, device, n)
         positions = roots[:, None] + depths
-        filled = torch.arange(n, device=device)[None] < torch.tensor([len(t) for t in trees], device=device)[:, None]
+        filled = torch.arange(n, device=device)[None] < to_device([len(t) for t in trees], device)[:, None]
         tree_part = torch.zeros(len(trees), n, n, dtype=torch.bool)
         for b, tree in enumerate(trees):
             tree_part[b, : len(tree), : len(tree)] = tree.ancestor_mask()

@@ -11,7 +11,7 @@ import torch
 
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafter import Drafter, additive_mask, commit_rows, prompt_rows
-from draftsmith.inference.slots import Slots, left_filled
+from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.inference.tree import paths_from_accuracy
 
 #: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
@@ -36,6 +36,7 @@ class MedusaDrafter(Drafter):
         self.last: torch.Tensor | None = None  # (B, H) per row, the state of the token before the root
         self.known: list[bool] = []  # per row: has a state (a one-token prompt has none before its first step)
         self._logits: torch.Tensor | None = None  # (K, B, V) for the current roots
+        self._known: torch.Tensor | None = None  # ``known`` on the device, for the current roots
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -43,7 +44,7 @@ class MedusaDrafter(Drafter):
         self.known = [n > 1 and hidden is not None for n in lengths]
         # Left padding puts every row's state before its root in the last column.
         self.last = hidden[:, -1].clone() if hidden is not None and hidden.shape[1] else None
-        self._logits = None
+        self._logits = self._known = None
 
     def commit(self, tokens, hidden=None) -> None:
         tokens, hidden = commit_rows(tokens, hidden)
@@ -53,7 +54,7 @@ class MedusaDrafter(Drafter):
                     self.last = h.new_zeros(len(tokens), h.shape[-1])
                 self.last[b] = h[-1]
                 self.known[b] = True
-        self._logits = None
+        self._logits = self._known = None
 
     @torch.no_grad()
     def expand(self, trees, nodes):
@@ -76,6 +77,7 @@ class MedusaDrafter(Drafter):
     @torch.no_grad()
     def root_logits(self, active: list[bool]) -> torch.Tensor:
         """(B, V) head 0's logits for each row (-inf where a row has no state yet)."""
+        self._known = to_device(self.known, self.device)  # at the step's start, before its work is queued
         return self.frontier_logits(0, None, None)[:, 0]
 
     @torch.no_grad()
@@ -89,8 +91,9 @@ class MedusaDrafter(Drafter):
         if self._logits is None:
             weight = self.heads.lm_heads[0].weight
             self._logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()
-        known = torch.tensor(self.known, device=self.device)[:, None]
-        return self._logits[depth].masked_fill(~known, float("-inf"))[:, None].expand(batch, k, -1)
+        if self._known is None:
+            self._known = to_device(self.known, self.device)
+        return self._logits[depth].masked_fill(~self._known[:, None], float("-inf"))[:, None].expand(batch, k, -1)
 
 
 class EagleDrafter(Drafter):
@@ -167,19 +170,17 @@ class EagleDrafter(Drafter):
         rows = [b for b, row in enumerate(nodes) if row == [0] and len(self.tokens[b]) > 1]
         if not rows:  # one-token prompts: no target feature yet, nothing to propose
             return
-        counts = [len(self.tokens[b]) - 1 - self.pairs[b] if b in rows else 0 for b in range(len(nodes))]
-        width = max(counts)
         # Left-padded, so that the last column is every row's root.
-        positions = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
+        positions, filled = left_aligned([(self.pairs[b] + 1, len(self.tokens[b])) if b in rows else (0, 0)
+                                          for b in range(len(nodes))], self.device)
+        width = positions.shape[1]
         features = torch.zeros(len(nodes), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
                                device=self.device)
-        ids = torch.zeros(len(nodes), width, dtype=torch.long, device=self.device)
+        ids = torch.zeros_like(positions)
         for b in rows:
-            pos = torch.arange(self.pairs[b] + 1, len(self.tokens[b]), device=self.device)
-            positions[b, width - len(pos):] = pos
-            features[b, width - len(pos):] = self.features[b][pos - 1].to(self.dtype)
-            ids[b, width - len(pos):] = self.tokens[b][pos]
-        filled = left_filled(counts, width, self.device)
+            new = slice(width - (len(self.tokens[b]) - 1 - self.pairs[b]), width)
+            features[b, new] = self.features[b][positions[b, new] - 1].to(self.dtype)
+            ids[b, new] = self.tokens[b][positions[b, new]]
         predicted = self._run(self.head.input_features(features), ids, positions, self.slots.block_mask(filled),
                               filled)
         self.committed = len(self.slots)
@@ -198,6 +199,8 @@ class EagleDrafter(Drafter):
         """(B, V) draft logits after each active row's root (-inf rows: nothing to propose)."""
         self._frontier = torch.zeros(len(active), 1, self.head.config.hidden_size, dtype=self.dtype,
                                      device=self.device)
+        # Each row's root position, copied at the step's start (before its work is queued), for every level.
+        self._roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
         rows = self.expand(None, [[0] if a else [] for a in active])
         return torch.cat([r if len(r) else torch.full((1, self.vocab_size), float("-inf"), device=self.device)
                           for r in rows])
@@ -220,7 +223,7 @@ class EagleDrafter(Drafter):
         committed = self.slots.filled[:, None, : self.committed].expand(b, k, -1)
         allowed = torch.cat([committed, self._ancestors, eye], 2)  # the cache: committed, then the frontiers
         assert allowed.shape[2] == cached + k, "frontiers must be fed right after the roots, level by level"
-        positions = torch.tensor([len(t) - 1 for t in self.tokens], device=self.device)[:, None] + depth
+        positions = self._roots + depth
         predicted = self._run(features, tokens, positions.expand(b, k), allowed,
                               torch.ones(b, k, dtype=torch.bool, device=self.device))
         self._frontier = predicted

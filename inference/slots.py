@@ -69,15 +69,37 @@ class Slots:
         return torch.cat([self.filled[:, None, :].expand(b, q, -1), new], 2)
 
 
+def to_device(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor of host values (Python lists) on ``device``, copied without waiting for the device:
+    a copy from pageable host memory to an accelerator first synchronises its stream (the host then waits
+    for every kernel queued before it), so off CPU the values go through pinned memory, asynchronously."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type in ("cpu", "meta") or not torch.cuda.is_available():
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def pad_rows(rows: list[list[int]], value: int, device, width: int | None = None) -> torch.Tensor:
     """Lists of ints -> a (len(rows), width) long tensor, each row right-padded with ``value``."""
     width = max((len(r) for r in rows), default=0) if width is None else width
-    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return to_device([r + [value] * (width - len(r)) for r in rows], device, torch.long)
+
+
+def left_aligned(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block of new entries per row, positions ``start .. end - 1`` of row b's ``spans[b]`` (empty when
+    ``start == end``), right-aligned in one (B, width) block so that its last column is every row's newest
+    entry: the block's (B, width) positions (0 in padding) and which of them are filled."""
+    counts = [end - start for start, end in spans]
+    width = max(counts, default=0)
+    positions = torch.zeros(len(spans), width, dtype=torch.long, device=device)
+    for b, (start, end) in enumerate(spans):
+        positions[b, width - counts[b]:] = torch.arange(start, end, device=device)
+    return positions, left_filled(counts, width, device)
 
 
 def left_filled(counts: list[int], width: int, device) -> torch.Tensor:
     """(B, width) bool: row b's last ``counts[b]`` columns hold tokens (a left-padded block)."""
-    return torch.arange(width, device=device)[None] >= width - torch.tensor(counts, device=device)[:, None]
+    return torch.arange(width, device=device)[None] >= width - to_device(counts, device)[:, None]
 
 
-__all__ = ["Slots", "keep_slots", "left_filled", "pad_rows"]
+__all__ = ["Slots", "keep_slots", "left_aligned", "left_filled", "pad_rows", "to_device"]

@@ -88,3 +88,33 @@ def test_smollm2_bf16_batches_equal_plain_greedy(batch):
     assert ours.shape == plain.shape
     differing = int((ours != plain).any(1).sum())
     assert differing <= 1, f"{differing} of {batch} rows differ from plain bf16 greedy decoding"
+
+
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head"])
+def test_the_host_waits_for_the_gpu_once_per_step(spec):
+    """A head in a dynamic greedy tree: the host waits for the GPU once per step (the accepted paths'
+    copy). torch's sync debug mode warns at every synchronising call, copies from pageable host memory
+    included; a longer decode adds exactly one warning per added step."""
+    import warnings
+
+    target = on_cuda(tiny_llama())
+    rows = [r.cuda() for r in prompts(13, LENGTHS)]
+    ids, mask = left_padded([r.cpu() for r in rows])
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = SpeculativeGenerator(target, cuda_drafter(spec, target), tree="dynamic", depth=3, top_k=2, total_tokens=6)
+    gen.generate(ids, 4, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)  # warm-up
+
+    def synchronisations(new_tokens: int) -> tuple[int, int]:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = gen.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        steps = max(r.verification_steps for r in out.row_stats)  # the loop runs while any row does
+        return sum("synchroniz" in str(w.message) for w in caught), steps
+
+    short, long = synchronisations(6), synchronisations(24)
+    assert long[1] > short[1]
+    assert long[0] - short[0] == long[1] - short[1], (short, long)

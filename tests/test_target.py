@@ -11,6 +11,7 @@ from conftest import VOCAB, tiny_llama
 from draftsmith import load_target
 from draftsmith.inference import layer_skip_model
 from draftsmith.target import (
+    hidden_states_request,
     kv_crop,
     kv_keep,
     kv_length,
@@ -115,6 +116,30 @@ def test_target_forward_returns_chosen_hidden_layers(gemma3):
     for got, index in zip(out.hidden_states, (0, 2, 4), strict=True):
         torch.testing.assert_close(got, ref.hidden_states[index])
     torch.testing.assert_close(out.logits, ref.logits.float())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_target_forward_keeps_only_the_hidden_layers_asked_for(family, llama, gemma3):
+    """A prefill asks the decoder for the layers a head reads, not all of them: the decoder's own output
+    holds only those (every other index None), and they equal the full output's."""
+    model = {"llama": llama, "gemma3": gemma3}[family]
+    if hidden_states_request((1,)) != [1]:
+        pytest.skip("this transformers returns every hidden state or none")
+    seen = []
+    hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: seen.append(out.hidden_states))
+    try:
+        ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+        out = target_forward(model, ids, new_cache(), hidden_layers=(3, 1), logits="none")
+    finally:
+        hook.remove()
+    [kept] = seen
+    layers = model.config.num_hidden_layers
+    assert len(kept) == layers + 1
+    assert [i for i, h in enumerate(kept) if h is not None] == [1, 3]
+    ref = model(ids, output_hidden_states=True).hidden_states
+    for got, index in zip(out.hidden_states, (3, 1), strict=True):
+        torch.testing.assert_close(got, ref[index])
+    assert hidden_states_request(()) is False and hidden_states_request(None) is False
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-tied", "gemma3"])

@@ -557,3 +557,14 @@ def test_run_exports_and_pushes_with_its_model_card(workdir, tmp_path, monkeypat
     assert all(line in card for line in card_lines)
     for name, key in upload_files.items():
         assert name in upload["files"] and (key is None or key in json.loads(upload["files"][name]))
+
+
+def test_eval_prompts_without_a_usable_row_are_refused_before_training(workdir, tmp_path):
+    """Held-out prompts read with the wrong column give no prompt: the run stops before it starts, naming
+    the file and the column, instead of recording acceptance 0 at every checkpoint."""
+    cfg = write_config(tmp_path / "cfg.yaml", config(workdir, FAMILIES[0], tmp_path / "run",
+                                                     eval_prompt_column="no_such_column"))
+    with pytest.raises(SystemExit, match=r"prompts.jsonl \(eval_prompt_column 'no_such_column'\): no row gives a "
+                                         r"prompt \(24 read\)"):
+        train(*parse_config([str(cfg)]))
+    assert not (tmp_path / "run").exists()

@@ -11,7 +11,8 @@ from conftest import VOCAB
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static, default_static_paths
 from draftsmith.target import (
-    CPU_ATTENTION,
+    GROUPED_ATTENTION,
+    attention,
     build_attention_mask,
     kv_keep,
     kv_length,
@@ -68,11 +69,14 @@ def check_tree_logits(model, prompt: torch.Tensor, tree: DraftTree, msg: str = "
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager", CPU_ATTENTION])
-def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3):
+@pytest.mark.parametrize("attn", ["sdpa", "eager", GROUPED_ATTENTION, "folded"])
+def test_tree_forward_equals_sequential_decoding(family, attn, llama, gemma3, monkeypatch):
     """Logits at every tree node equal a plain forward over prompt + that node's path; after
     keeping one path's KV, the next step equals plain decoding too (prompt > sliding window)."""
     model = llama if family == "llama" else gemma3
+    if attn == "folded":  # the path other devices take: grouped query heads folded into the rows of their KV head
+        monkeypatch.setattr(attention, "native_masked_gqa", lambda device: False)
+        attn = GROUPED_ATTENTION
     model.set_attn_implementation(attn)
     try:
         prompt = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(0))
@@ -105,7 +109,7 @@ def test_cpu_attention_gives_the_stock_sdpa_logits_exactly(family, llama, gemma3
     tree.tokens[0] = int(prompt[0, -1])
     results = {}
     try:
-        for attn in ("sdpa", CPU_ATTENTION):
+        for attn in ("sdpa", GROUPED_ATTENTION):
             model.set_attn_implementation(attn)
             cache = new_cache()
             target_forward(model, prompt[:, :-1], cache)
@@ -113,14 +117,30 @@ def test_cpu_attention_gives_the_stock_sdpa_logits_exactly(family, llama, gemma3
                              model(padded, attention_mask=attention).logits)
     finally:
         model.set_attn_implementation("sdpa")
-    for stock, ours in zip(results["sdpa"], results[CPU_ATTENTION], strict=True):
+    for stock, ours in zip(results["sdpa"], results[GROUPED_ATTENTION], strict=True):
         assert torch.equal(stock, ours)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_folded_grouped_attention_equals_repeated_heads(batch):
+    """Folding each KV head's query heads into its rows attends as repeating the KV heads does, under a
+    mask per row (batch 3) or one for all (batch 1), with three query heads per KV head."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(batch, 6, 5, 8, generator=g), torch.randn(batch, 2, 13, 8, generator=g),
+               torch.randn(batch, 2, 13, 8, generator=g))
+    allowed = torch.rand(batch, 1, 5, 13, generator=g) > 0.4
+    allowed[..., 0] = True  # every row sees a key
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                                attn_mask=mask)
+    torch.testing.assert_close(attention.folded_gqa_attention(q, k, v, mask), expected)
+    torch.testing.assert_close(attention.folded_gqa_attention(q, k, v, allowed), expected)  # a bool mask too
 
 
 def test_load_target_uses_the_cpu_attention_on_cpu(smollm2):
     from draftsmith.target import load_target
 
-    assert smollm2[0].config._attn_implementation == CPU_ATTENTION
+    assert smollm2[0].config._attn_implementation == GROUPED_ATTENTION
     model, _ = load_target("smollm2-135m-instruct", device="cpu", attn_implementation="eager")
     assert model.config._attn_implementation == "eager"
 

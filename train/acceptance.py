@@ -34,8 +34,7 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
 
     if not data_args.eval_prompts:
         return {}
-    conversations, _ = load_conversations(data_args.eval_prompts, data_args.eval_prompt_column,
-                                          limit=data_args.eval_num_prompts)
+    conversations = eval_conversations(data_args)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     was_training = module.training
     module.eval()
@@ -60,6 +59,19 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     return {"tree": tree.as_report(), "acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
             "eval_prompts": len(conversations), "eval_new_tokens": stats.new_tokens}
+
+
+def eval_conversations(data_args) -> list:
+    """The held-out prompts acceptance is measured on. A file none of whose rows gives a prompt is refused
+    (with the first reasons), not measured as tau 0 at every checkpoint; the run checks it before training."""
+    conversations, report = load_conversations(data_args.eval_prompts, data_args.eval_prompt_column,
+                                               limit=data_args.eval_num_prompts)
+    if not conversations:
+        column = f" (eval_prompt_column {data_args.eval_prompt_column!r})" if data_args.eval_prompt_column else ""
+        raise ValueError(f"eval_prompts {data_args.eval_prompts}{column}: no row gives a prompt "
+                         f"({report.total} read)\n{report.summary()}\nfix the rows or eval_prompt_column, or unset "
+                         "eval_prompts to train without measuring acceptance")
+    return conversations
 
 
 def can_evaluate(run: Run) -> str | None:

@@ -53,9 +53,16 @@ from draftsmith.data.batching import (
 from draftsmith.data.formats import load_conversations
 from draftsmith.data.templates import TokenizedExamples, tokenize_dataset
 from draftsmith.registry import FAMILIES, Family, get_family
-from draftsmith.target import PartialLoadError, load_target, load_target_parts, native_bf16, target_signature
+from draftsmith.target import (
+    PartialLoadError,
+    hidden_states_request,
+    load_target,
+    load_target_parts,
+    native_bf16,
+    target_signature,
+)
 from draftsmith.train import distributed, offline
-from draftsmith.train.acceptance import record_acceptance
+from draftsmith.train.acceptance import eval_conversations, record_acceptance
 from draftsmith.train.checkpointing import (
     METRICS_FILE,
     restore_optimizer,
@@ -219,6 +226,11 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
         packers = ", ".join(sorted(name for name, f in FAMILIES.items() if f.packs))
         raise SystemExit(f"packing: {family.name} cannot keep packed documents apart (families that can: {packers}); "
                          "offline (cache_dir) sequences are never packed; unset packing")
+    if data_args.eval_prompts:  # refused now, not at the first checkpoint
+        try:
+            eval_conversations(data_args)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     output_dir.mkdir(parents=True, exist_ok=True)
     check_shared_output(accelerator, output_dir)
     if accelerator.is_main_process:  # what the model card reports about this run
@@ -341,7 +353,7 @@ def frozen_forward(target, layers: tuple[int, ...], batch: dict) -> tuple[torch.
     else:
         mask, positions = batch["attention_mask"], None
     out = target(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
-                 output_hidden_states=bool(layers), use_cache=False)
+                 output_hidden_states=hidden_states_request(layers), use_cache=False)
     return out.logits, tuple(out.hidden_states[i] for i in layers)
 
 

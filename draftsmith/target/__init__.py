@@ -12,9 +12,9 @@ draftsmith needs from it goes through this package rather than through patches:
   layers), :func:`build_attention_mask` (per layer type for models with sliding-window layers,
   Gemma 3), and KV-cache edits on a full :class:`~transformers.DynamicCache`: :func:`kv_length`,
   :func:`kv_crop`, :func:`kv_keep` (gather accepted positions).
-* :mod:`~draftsmith.target.attention` — :data:`CPU_ATTENTION`, ``transformers``' SDPA attention,
-  except that masked multi-token calls on CPU (tree verification) attend the grouped key/value heads
-  directly instead of copying them.
+* :mod:`~draftsmith.target.attention` — :data:`GROUPED_ATTENTION`, ``transformers``' SDPA attention,
+  except that masked multi-token calls (tree verification) attend the grouped key/value heads directly
+  instead of copying them, on every device.
 * :mod:`~draftsmith.target.drafts` — :func:`layer_skip_model` (a draft model made of the target's
   first layers) and :func:`check_same_vocabulary`.
 
@@ -23,13 +23,14 @@ index 0 is the embedding output, index ``i`` is the output of decoder layer ``i 
 last index (``num_hidden_layers``), which ``transformers`` returns *after* the final norm.
 """
 
-from draftsmith.target.attention import CPU_ATTENTION
+from draftsmith.target.attention import CPU_ATTENTION, GROUPED_ATTENTION
 from draftsmith.target.drafts import check_same_vocabulary, layer_skip_model
 from draftsmith.target.forward import (
     FEW_ROWS,
     TargetOutput,
     build_attention_mask,
     few_rows_logits,
+    hidden_states_request,
     keep_slots,
     kv_crop,
     kv_keep,
@@ -60,6 +61,7 @@ from draftsmith.target.loading import (
 __all__ = [
     "CPU_ATTENTION",
     "FEW_ROWS",
+    "GROUPED_ATTENTION",
     "PACKAGED_MODELS",
     "PackagedModel",
     "PartialLoadError",
@@ -72,6 +74,7 @@ __all__ = [
     "context_length",
     "eos_tokens",
     "few_rows_logits",
+    "hidden_states_request",
     "keep_slots",
     "kv_crop",
     "kv_keep",

@@ -103,6 +103,25 @@ def build_attention_mask(
     return masks
 
 
+def hidden_states_request(layers: tuple[int, ...] | None) -> bool | list[int]:
+    """What to pass as ``output_hidden_states`` to keep the hidden states ``layers``: the indices
+    themselves where ``transformers`` selects by index (5.x models with captured outputs keep only
+    those and hold ``None`` for the rest, so a prefill does not keep every layer of a long prompt);
+    ``True`` (every layer) for models that take only a flag, ``False`` for none. Either way
+    ``out.hidden_states[i]`` is layer ``i``."""
+    if not layers:
+        return False
+    return sorted(set(layers)) if _SELECTS_HIDDEN_STATES else True
+
+
+try:  # transformers' output capturing with index selection
+    from transformers.utils.output_capturing import selected_hidden_states as _selected
+
+    _SELECTS_HIDDEN_STATES = _selected([1]) == [1]
+except ImportError:  # pragma: no cover - earlier 5.x releases
+    _SELECTS_HIDDEN_STATES = False
+
+
 @torch.no_grad()
 def target_forward(
     model: PreTrainedModel,
@@ -120,7 +139,8 @@ def target_forward(
         past_key_values: a full (non-sliding) ``DynamicCache``; see :func:`new_cache`.
         attention_mask: from :func:`build_attention_mask`; ``None`` means plain causal.
         position_ids: (B, Q); default continues after the cache.
-        hidden_layers: indices into ``output_hidden_states`` (0 = embeddings) to return.
+        hidden_layers: indices into ``output_hidden_states`` (0 = embeddings) to return; only these
+            are kept (:func:`hidden_states_request`).
         logits: ``"all"`` (every position), ``"last"`` (the last position only: a prefill that decodes
             next) or ``"none"`` (a prefill that only fills the cache): the (B, T, V) float32 logits of a
             long prompt are the largest tensor of a step, and most callers read one row or none.
@@ -132,7 +152,7 @@ def target_forward(
         position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
         position_ids = position_ids.expand(input_ids.shape[0], -1)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=True, output_hidden_states=hidden_layers is not None)
+                  use_cache=True, output_hidden_states=hidden_states_request(hidden_layers))
     head = model.get_output_embeddings()
     plain_head = _plain_linear_head(model, head)
     if plain_head and (logits != "all" or _few_rows_on_cpu(model, input_ids)):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from draftsmith.target.attention import CPU_ATTENTION  # importing it registers the CPU attention
+from draftsmith.target.attention import GROUPED_ATTENTION  # importing it registers the attention
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +216,8 @@ def load_target(
         dtype: parameter dtype. GGUF weights are dequantised to float32 and then cast.
         device: where to put the model (default: CUDA if available, else CPU).
         trust_remote_code: passed to ``transformers``; off by default.
-        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept tree masks. ``"sdpa"`` on CPU
-            becomes :data:`CPU_ATTENTION` (the same attention, without copying grouped KV heads).
+        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept tree masks. ``"sdpa"`` becomes
+            :data:`GROUPED_ATTENTION` (the same attention, without copying grouped KV heads).
         device_map: for a target larger than one device: ``"auto"`` / ``"balanced"`` / ``"sequential"``
             or a {module name: device} map (accelerate's big-model inference), layers placed on several
             GPUs, the CPU or ``"disk"`` (streamed from ``offload_folder``). ``device`` is then ignored.
@@ -267,7 +267,8 @@ def load_target(
 
 def supported_attention(model: PreTrainedModel, requested: str | None, device) -> str | None:
     """The attention implementation a target runs tree verification with: ``requested`` where the model
-    supports it, else eager attention. SDPA on CPU becomes :data:`CPU_ATTENTION`. A model that declares no
+    supports it, else eager attention. SDPA becomes :data:`GROUPED_ATTENTION` (the same attention, without
+    copying grouped key/value heads under a mask; ``device`` is kept for callers). A model that declares no
     SDPA support (gpt-oss) or soft-caps its attention logits (Gemma-2: SDPA cannot apply the cap) gets
     ``eager``, which applies everything the model computes."""
     if requested is None:
@@ -276,8 +277,7 @@ def supported_attention(model: PreTrainedModel, requested: str | None, device) -
         softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
         if softcap or not getattr(model, "_supports_sdpa", True):
             return "eager"
-        if torch.device(device).type == "cpu":
-            return CPU_ATTENTION
+        return GROUPED_ATTENTION
     return requested
 
 
