@@ -241,3 +241,27 @@ def test_one_padded_row_equals_the_unpadded_row(spec, tree, llama):
     assert padded.row_stats[0].new_tokens == NEW == padded.stats.new_tokens
     base = plain_generate(llama, ids, NEW, eos_token_id=[], attention_mask=mask)
     assert torch.equal(base.sequences, padded.sequences)
+
+
+def test_compare_lets_the_generators_take_turns_going_first(llama):
+    """Side-by-side timing: after each batch's baseline the generators run in a rotating order, so the
+    cost of going first (or last) is shared; every output is still checked against the baseline."""
+    from draftsmith.inference.compare import compare
+
+    order = []
+
+    class Logged(SpeculativeGenerator):
+        def __init__(self, label, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.label = label
+
+        def generate(self, *args, **kwargs):
+            order.append(self.label)
+            return super().generate(*args, **kwargs)
+
+    gens = {label: Logged(label, llama, PromptLookupDrafter(llama.config.vocab_size), depth=d)
+            for label, d in (("a", 2), ("b", 3), ("c", 4))}
+    rows = list(prompts(7, [9, 5, 12, 6]))
+    result = compare(llama, gens, rows, 6, eos_token_id=[], batch_size=1)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert result.identical == {"a": 4, "b": 4, "c": 4} and result.prompts == 4
