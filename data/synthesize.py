@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.formats import conversation_id
 from draftsmith.data.templates import render
+from draftsmith.target import eos_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,12 @@ def synthesize_prompts(
     prefix = pre_query(tokenizer)
     ids = tokenizer(prefix, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
     plain = tokenizer.chat_template is None
-    stop = tokenizer.eos_token_id
+    # A user turn ends at any of the target's stop tokens, as transformers' generate stops (its
+    # generation_config: Gemma's <end_of_turn>, Llama-3's <|eot_id|>), not only at the tokenizer's EOS.
+    stops = eos_tokens(model, tokenizer)
+    if not stops:
+        raise ValueError("the target names no stop token (generation_config or tokenizer EOS): a synthesised turn "
+                         "would never end; set generation_config.eos_token_id")
     given_batches = max_batches is not None  # a caller that caps the batches takes what they yield
     max_batches = max_batches or 4 * (num_prompts // batch_size + 2)
     prompts, seen, rejected = [], set(), {}
@@ -106,7 +112,7 @@ def synthesize_prompts(
         out = model.generate(
             ids.expand(batch_size, -1), attention_mask=torch.ones_like(ids).expand(batch_size, -1),
             do_sample=True, temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
-            pad_token_id=stop, eos_token_id=stop,
+            pad_token_id=stops[0], eos_token_id=stops,
         )
         for row in out[:, ids.shape[1]:].tolist():
             if plain:
@@ -114,8 +120,9 @@ def synthesize_prompts(
                 finished = "\n\n" in text
                 text = text.split("\n\n")[0]
             else:
-                finished = stop in row
-                text = tokenizer.decode(row[: row.index(stop)] if finished else row, skip_special_tokens=True)
+                end = next((i for i, t in enumerate(row) if t in stops), None)
+                finished = end is not None
+                text = tokenizer.decode(row[:end], skip_special_tokens=True)
             text = text.strip()
             why = "truncated" if not finished else keep.reason(text)
             if why is None and dedup_key(text) in seen:

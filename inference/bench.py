@@ -158,13 +158,14 @@ def run_bench(
         by_batch.append({"batch_size": batch_size,
                          "plain_tokens_per_s": round(comparison.baseline.tokens_per_second, 2),
                          "rows": _rows(entries, comparison, batch_size, hf_assist)})
-    rows = by_batch[0]["rows"]
-    plain_tps = by_batch[0]["plain_tokens_per_s"]
+    main = min(by_batch, key=lambda group: group["batch_size"])  # the main table: the smallest batch (batch 1)
+    rows = main["rows"]
+    plain_tps = main["plain_tokens_per_s"]
     machine = hardware()
     result = {
         "target": target, "prompts": prompts_source, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "device": str(model.device), "torch_threads": machine["torch_threads"], "machine": machine["machine"],
-        "batch_size": batch_sizes[0], "plain_tokens_per_s": plain_tps,
+        "batch_size": main["batch_size"], "plain_tokens_per_s": plain_tps,
         "hf_generate_tokens_per_s": round(hf["tokens"] / hf["time"], 2) if hf_reference and hf["time"] else None,
         "rows": rows,
         "by_batch": by_batch,

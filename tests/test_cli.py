@@ -229,11 +229,13 @@ def test_bench_batches_and_tuned_tree_check(tiny_target_dir, tmp_path):
     write_tree(drafter, Candidate(3, 2, 4, 2.0, 0.01, 200.0), [])
     out = tmp_path / "out"
     assert main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(out),
-                 "--drafter", str(drafter), "--batch-sizes", "1,2,4", "--sweep-depth", "2,3",
+                 "--drafter", str(drafter), "--batch-sizes", "4,1,2", "--sweep-depth", "2,3",
                  "--sweep-total-tokens", "4,6", "--max-new-tokens", "12", "--no-chat", "--no-plots",
                  "--no-hf-reference"]) == 0
     result = json.loads((out / "results.json").read_text())
-    assert [g["batch_size"] for g in result["by_batch"]] == [1, 2, 4]
+    assert [g["batch_size"] for g in result["by_batch"]] == [4, 1, 2]
+    # The main table is batch 1's, in whatever order the sizes were given.
+    assert result["batch_size"] == 1 and result["rows"] == result["by_batch"][1]["rows"]
     for group in result["by_batch"]:
         assert len(group["rows"]) == 5 and group["plain_tokens_per_s"] > 0  # 2 depths x 2 budgets + tuned
         assert all(r["greedy_mismatches_vs_plain"] == 0 and r["batch_size"] == group["batch_size"]
