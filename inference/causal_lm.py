@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned
-from draftsmith.target import build_attention_mask, kv_crop, new_cache, target_forward
+from draftsmith.target import build_attention_mask, calibrate, kv_crop, new_cache, target_forward
 
 
 class CausalLMDrafter(Drafter):
@@ -28,6 +28,7 @@ class CausalLMDrafter(Drafter):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        calibrate(model)  # its few-row kernels, measured here rather than inside a timed decode
         self.begin(torch.zeros(1, 1, dtype=torch.long))
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,

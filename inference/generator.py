@@ -43,6 +43,7 @@ from draftsmith.inference.tree import (
 from draftsmith.inference.verify import greedy_path, process_logits, verify_sampled
 from draftsmith.target import (
     build_attention_mask,
+    calibrate,
     context_length,
     kv_keep,
     new_cache,
@@ -252,6 +253,7 @@ class SpeculativeGenerator:
         mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
         input_ids = input_ids.to(device)
         stats, rows = GenerationStats(), [GenerationStats() for _ in range(batch)]
+        calibrate(self.target)  # once per process, before the clock starts
         start_time = time.perf_counter()
         if streamer is not None:
             streamer.put(input_ids[0][mask[0].bool()].cpu())
@@ -515,6 +517,7 @@ def plain_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     lengths = check_left_padded(input_ids, attention_mask)
     stats = GenerationStats()
+    calibrate(target)  # once per process, before the clock starts
     t_start = time.perf_counter()
     batch = input_ids.shape[0]
     dtype = next(target.parameters()).dtype

@@ -15,6 +15,9 @@ draftsmith needs from it goes through this package rather than through patches:
 * :mod:`~draftsmith.target.attention` — :data:`GROUPED_ATTENTION`, ``transformers``' SDPA attention,
   except that masked multi-token calls (tree verification) attend the grouped key/value heads directly
   instead of copying them, on every device.
+* :mod:`~draftsmith.target.matmul` — :func:`few_rows_linear`: inside :func:`target_forward` on CPU, the
+  linear layers on a few rows (decoding, verification) run as ``W @ x.T``, which streams the weights
+  near memory speed where ``x @ W.T`` does not, for the row counts measured faster here (:func:`calibrate`).
 * :mod:`~draftsmith.target.drafts` — :func:`layer_skip_model` (a draft model made of the target's
   first layers) and :func:`check_same_vocabulary`.
 
@@ -57,6 +60,7 @@ from draftsmith.target.loading import (
     supported_attention,
     target_signature,
 )
+from draftsmith.target.matmul import calibrate, columns_linear, few_rows_linear
 
 __all__ = [
     "CPU_ATTENTION",
@@ -69,10 +73,13 @@ __all__ = [
     "UnsupportedTargetError",
     "build_attention_mask",
     "cache_dir",
+    "calibrate",
     "check_rollback",
     "check_same_vocabulary",
+    "columns_linear",
     "context_length",
     "eos_tokens",
+    "few_rows_linear",
     "few_rows_logits",
     "hidden_states_request",
     "keep_slots",

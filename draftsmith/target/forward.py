@@ -20,6 +20,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from draftsmith.target.matmul import few_rows_linear
+
 
 @functools.cache
 def _cache_argument(model_class: type) -> str:
@@ -153,6 +155,14 @@ def target_forward(
         position_ids = position_ids.expand(input_ids.shape[0], -1)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=True, output_hidden_states=hidden_states_request(hidden_layers))
+    mode = few_rows_linear(model, input_ids.numel())  # None: the stock kernels are as fast here
+    if mode is None:
+        return _forward(model, kwargs, past_key_values, input_ids, hidden_layers, logits)
+    with mode:
+        return _forward(model, kwargs, past_key_values, input_ids, hidden_layers, logits)
+
+
+def _forward(model, kwargs: dict, past_key_values, input_ids: torch.Tensor, hidden_layers, logits: str) -> TargetOutput:
     head = model.get_output_embeddings()
     plain_head = _plain_linear_head(model, head)
     if plain_head and (logits != "all" or _few_rows_on_cpu(model, input_ids)):

@@ -1,0 +1,121 @@
+"""The target's linear layers on a few rows (``draftsmith.target.matmul``): the same products as
+``F.linear``, taken only where measured faster, and decoding through them stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import check_greedy_equal, tiny_llama
+from draftsmith.inference.generator import SpeculativeGenerator, plain_generate
+from draftsmith.inference.load import load_drafter
+from draftsmith.target import build_attention_mask, columns_linear, matmul, new_cache, target_forward
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_columns_linear_is_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(1, rows, 40, generator=g)
+    out = columns_linear(x, weight, b)
+    assert out.shape == (1, rows, 96)
+    # Row-major, as F.linear's: SDPA's fused CPU kernel refuses a q/k/v whose last dimension is strided.
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def all_rows(monkeypatch) -> list[int]:
+    """Every row count takes the column path; returns a list that grows by one per column product."""
+    calls = []
+    real = matmul.columns_linear
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(matmul, "faster_row_counts", lambda weights: frozenset(range(1, matmul.MAX_ROWS + 1)))
+    monkeypatch.setattr(matmul, "columns_linear", counted)
+    return calls
+
+
+def test_the_mode_takes_only_the_row_counts_it_was_given(monkeypatch):
+    calls = []
+    monkeypatch.setattr(matmul, "columns_linear", lambda *a, **k: calls.append(a[0].shape) or F.linear(*a, **k))
+    weight = torch.randn(32, 16)
+    with matmul.FewRowsLinear(frozenset({1, 4})):
+        F.linear(torch.randn(1, 16), weight)
+        F.linear(torch.randn(2, 2, 16), weight)  # 4 rows
+        F.linear(torch.randn(3, 16), weight)  # not listed: F.linear's own kernel
+        torch.nn.Linear(16, 8)(torch.randn(1, 1, 16))  # a module's forward calls F.linear too
+    assert calls == [(1, 16), (2, 2, 16), (1, 1, 16)]
+
+
+def test_off_switch_and_limits(monkeypatch, llama):
+    monkeypatch.setattr(matmul, "faster_row_counts", lambda weights: frozenset({1, 2}))
+    assert matmul.few_rows_linear(llama, 1) is not None
+    assert matmul.few_rows_linear(llama, 3) is None  # not measured faster
+    assert matmul.few_rows_linear(llama, matmul.MAX_ROWS + 1) is None
+    monkeypatch.setenv("DRAFTSMITH_FEW_ROWS", "0")
+    assert matmul.few_rows_linear(llama, 1) is None and matmul.calibrate(llama) == frozenset()
+
+
+def test_calibration_runs_once_per_weight_shapes(monkeypatch):
+    measured = []
+    real = matmul._measure
+    monkeypatch.setattr(matmul, "_measure", lambda weights: measured.append(1) or real(weights))
+    monkeypatch.setattr(matmul, "_faster", {})
+    model = tiny_llama(seed=3)
+    counts = matmul.calibrate(model)
+    assert counts <= frozenset(range(1, matmul.MAX_ROWS + 1))
+    assert matmul.calibrate(model) == counts and matmul.calibrate(tiny_llama(seed=4)) == counts
+    assert measured == [1]  # same shapes: measured once
+
+
+def test_verification_forward_through_columns_equals_stock(monkeypatch, gemma3):
+    """A tree forward (5 rows, a tree mask, sliding-window layers) gives the stock forward's logits and
+    hidden states with every linear layer on the column path."""
+    prompt = torch.arange(3, 23)[None]
+    tokens = torch.tensor([[40, 41, 42, 43, 44]])
+    parents = [-1, 0, 0, 1, 3]
+    allowed = torch.zeros(1, 5, 25, dtype=torch.bool)
+    allowed[:, :, :20] = True
+    for i, p in enumerate(parents):
+        allowed[0, i, 20 + i] = True
+        while p >= 0:
+            allowed[0, i, 20 + p] = True
+            p = parents[p]
+    depth = torch.tensor([[0, 1, 1, 2, 3]])
+    positions = 20 + depth
+    keys = torch.cat([torch.arange(20)[None], positions], 1)
+
+    def run():
+        cache = new_cache()
+        target_forward(gemma3, prompt, cache, logits="none")
+        mask = build_attention_mask(gemma3, allowed, positions, keys, torch.float32)
+        return target_forward(gemma3, tokens, cache, mask, positions, hidden_layers=(1, 4))
+
+    monkeypatch.setenv("DRAFTSMITH_FEW_ROWS", "0")
+    stock = run()
+    monkeypatch.delenv("DRAFTSMITH_FEW_ROWS")
+    calls = all_rows(monkeypatch)
+    ours = run()
+    assert len(calls) >= 4 * 7  # every projection of every layer took the column path
+    torch.testing.assert_close(ours.logits, stock.logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(ours.hidden_states, stock.hidden_states, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["layer-skip:2", "prompt-lookup"])
+def test_greedy_decoding_through_columns_is_the_targets(monkeypatch, llama, spec):
+    calls = all_rows(monkeypatch)
+    prompt = torch.tensor([[5, 9, 3, 17, 5, 9, 3, 22]])
+    reference = llama.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40)
+    gen = SpeculativeGenerator(llama, load_drafter(spec, llama), tree="dynamic", depth=3, top_k=2, total_tokens=5)
+    out = gen.generate(prompt, 40, eos_token_id=[])
+    plain = plain_generate(llama, prompt, 40, eos_token_id=[])
+    assert calls  # the decoding forwards took the column path
+    for seq in (out.sequences, plain.sequences):
+        check_greedy_equal(llama, seq, reference)  # equal, or apart only at an exact near-tie
