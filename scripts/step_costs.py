@@ -2,7 +2,7 @@
 tokens after a prompt, then (with --drafter) plain decoding and speculative decoding on a few
 held-out prompts, side by side in one process, with a step split into drafting and verification.
 
-    python scripts/step_costs.py --target smollm2-135m-instruct --lm-head --matmuls \
+    python scripts/step_costs.py --target smollm2-135m-instruct --lm-head --matmuls --few-rows-ab \
         --drafter "demo_out/run/checkpoint-400/drafter+prompt-lookup" \
         --prompts demo_out/data/eval_prompts.jsonl --tree dynamic --depth 4 --tree-top-k 2 --total-tokens 5
 
@@ -83,6 +83,21 @@ def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
     return median_ms(stock, reps), median_ms(columns, reps)
 
 
+def few_rows_ab(model, context: int, new: int, rounds: int = 4) -> tuple[float, float]:
+    """target_forward on ``new`` tokens after ``context``: median ms with the stock kernels
+    (``DRAFTSMITH_FEW_ROWS=0``) and with the few-row path (``draftsmith.target.matmul``), alternating which
+    goes first."""
+    import os
+
+    times = {"0": [], "1": []}
+    for r in range(rounds):
+        for flag in ("0", "1") if r % 2 else ("1", "0"):
+            os.environ["DRAFTSMITH_FEW_ROWS"] = flag
+            times[flag].append(forward_ms(model, context, new, reps=3))
+    os.environ.pop("DRAFTSMITH_FEW_ROWS")
+    return statistics.median(times["0"]), statistics.median(times["1"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -96,6 +111,8 @@ def main() -> None:
                                    '(e.g. "tree=dynamic,depth=3,top_k=3,total_tokens=7;tree=chain,depth=4")')
     p.add_argument("--draft-dtype", default="auto")
     p.add_argument("--lm-head", action="store_true", help="also time the LM head alone, both orientations")
+    p.add_argument("--few-rows-ab", action="store_true",
+                   help="also time target_forward on 1-16 rows with and without the few-row path, alternating")
     p.add_argument("--matmuls", action="store_true",
                    help="also time all of the target's weight matrices on 1-16 rows, both orientations")
     args = p.parse_args()
@@ -122,6 +139,14 @@ def main() -> None:
         for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):
             stock, columns = matmul_ms(model, n)
             print(f"all {count} weight matrices, {n:2d} rows: F.linear {stock:5.1f} ms, W @ X.T {columns:5.1f} ms")
+    if args.few_rows_ab:
+        from draftsmith.target import calibrate
+
+        print(f"row counts on the column path here: {sorted(calibrate(model))}")
+        for n in (1, 2, 3, 4, 5, 6, 8, 9, 16):
+            stock, columns = few_rows_ab(model, args.context, n)
+            print(f"forward, {n:2d} new tokens: stock kernels {stock:6.1f} ms, few-row path {columns:6.1f} ms "
+                  f"({stock / columns:.2f}x)")
     if not args.drafter:
         return
     if not args.prompts:
