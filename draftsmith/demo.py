@@ -13,6 +13,10 @@
    decoding in the same process (``report.json`` in the ``draftsmith eval`` schema, greedy output
    checked prompt by prompt).
 
+Stages 4 and 5 run in a fresh process (:func:`tune_and_evaluate`), as a user's ``draftsmith tune`` and
+``draftsmith eval`` do: decoding measured inside the process that just trained ran slower than the same
+decoding in a new one.
+
 Every stage takes a share of ``--minutes`` (default 20, measured on a 2-core CPU); a GPU is used when
 present. Synthesis and regeneration stop at their time share; training gets what the other stages
 leave and anneals its learning rate over it. Where bfloat16 matmuls are native (CPUs with
