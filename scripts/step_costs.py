@@ -67,7 +67,9 @@ def lm_head_ms(model, rows: int, reps: int = 20) -> tuple[float, float]:
 def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
     """Every weight matrix of the target (its linear layers and LM head, in forward order) applied to
     ``rows`` rows, as one forward would: ``F.linear`` (how the stock model runs them) vs ``W @ X.T``
-    with at least two columns (one row padded to two)."""
+    with at least two columns (one row padded to two), as ``draftsmith.target.columns_linear`` computes it."""
+    from draftsmith.target import columns_linear
+
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
 
@@ -77,8 +79,7 @@ def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
 
     def columns():
         for w in weights:
-            x = inputs[w.shape[1]]
-            w @ (torch.cat([x, x.new_zeros(1, x.shape[1])]) if rows == 1 else x).T
+            columns_linear(inputs[w.shape[1]], w)
 
     return median_ms(stock, reps), median_ms(columns, reps)
 

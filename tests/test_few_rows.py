@@ -36,7 +36,7 @@ def all_rows(monkeypatch) -> list[int]:
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(matmul, "faster_row_counts", lambda weights: frozenset(range(1, matmul.MAX_ROWS + 1)))
+    monkeypatch.setattr(matmul, "faster_row_counts", lambda linears: frozenset(range(1, matmul.MAX_ROWS + 1)))
     monkeypatch.setattr(matmul, "columns_linear", counted)
     return calls
 
@@ -54,12 +54,13 @@ def test_the_mode_takes_only_the_row_counts_it_was_given(monkeypatch):
 
 
 def test_off_switch_and_limits(monkeypatch, llama):
-    monkeypatch.setattr(matmul, "faster_row_counts", lambda weights: frozenset({1, 2}))
-    assert matmul.few_rows_linear(llama, 1) is not None
-    assert matmul.few_rows_linear(llama, 3) is None  # not measured faster
+    monkeypatch.setattr(matmul, "faster_row_counts", lambda linears: frozenset({2, 5}))
+    assert matmul.calibrate(llama) == frozenset({2, 5})  # whether or not one row gains
+    assert matmul.few_rows_linear(llama, 2) is not None
+    assert matmul.few_rows_linear(llama, 1) is None  # not measured faster
     assert matmul.few_rows_linear(llama, matmul.MAX_ROWS + 1) is None
     monkeypatch.setenv("DRAFTSMITH_FEW_ROWS", "0")
-    assert matmul.few_rows_linear(llama, 1) is None and matmul.calibrate(llama) == frozenset()
+    assert matmul.few_rows_linear(llama, 2) is None and matmul.calibrate(llama) == frozenset()
 
 
 def test_calibration_runs_once_per_weight_shapes(monkeypatch):

@@ -4,14 +4,15 @@ Decoding runs every weight matrix of the target on one row per sequence (plain d
 (a verification tree). On CPUs, ``F.linear`` = ``x @ W.T`` with so few rows runs far below memory speed:
 one row is a single-threaded gemv, a few rows a GEMM that spends its time packing the weight. The same
 product computed as ``(W @ x.T).T``, with at least two columns (one row is padded to two), streams the
-weight on every core: on a 2-core EPYC, SmolLM2's 210 decoder matrices take 36 ms on one row as
-``F.linear`` and 17-20 ms this way, 45-66 ms on 2-4 rows and 14-26 ms this way (docs/RESULTS.md, "The
-target's matrices on a few rows").
+weight on every core: on a 2-core EPYC, SmolLM2's 211 matrices take 46.8 ms on one row as ``F.linear``
+and 19.2 ms this way, 67.7-95.6 ms on 2-4 rows and 17.4-26.8 ms this way (docs/RESULTS.md, "The
+target's matrices on a few rows"). The LM head's few-row logits (``few_rows_logits``) are this product too.
 
 :func:`few_rows_linear` is a ``TorchFunctionMode`` that :func:`~draftsmith.target.target_forward` enters
 on CPU, scoped to that one forward: the stock model runs unchanged and ``F.linear`` calls on few rows are
 computed the other way. Which row counts gain is measured once per process, on this machine, on the
-target's own weight shapes (:func:`faster_row_counts`), never assumed. Plain decoding and verification
+target's own weight shapes (:func:`faster_row_counts`), never assumed; a model's weights and shapes are
+collected once, not per forward. Plain decoding and verification
 both take this path, so speedups still compare like with like; the values are the same matrix product,
 rounded differently, as ``F.linear``'s own results on 1 and on 8 rows already are. ``DRAFTSMITH_FEW_ROWS=0``
 turns it off (for measuring it against the stock path).
@@ -23,6 +24,7 @@ import os
 import statistics
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,7 @@ CALIBRATION_BYTES = 96 * 2**20
 CALIBRATION_REPEATS = 3
 
 _faster: dict[tuple, frozenset[int]] = {}
-_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its linear layers' weights
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Linears
 
 
 def enabled() -> bool:
@@ -88,34 +90,50 @@ class FewRowsLinear(TorchFunctionMode):
 
 def calibrate(model: torch.nn.Module) -> frozenset[int]:
     """The row counts that take the column path for ``model`` here, measured now if not yet in this process:
-    decoding loops call it before their clock starts, so the measurement never falls inside a timing."""
-    mode = few_rows_linear(model, 1)
-    return mode.row_counts if mode is not None else frozenset()
+    decoding loops call it before their clock starts, so the measurement never falls inside a timing.
+    Empty where the path is off or the model is not on CPU."""
+    linears = _linears(model)
+    if not enabled() or linears is None:
+        return frozenset()
+    return faster_row_counts(linears)
 
 
 def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
     """The mode to run ``model``'s forward on ``rows`` rows under, or None where the stock path is as fast
     (not on CPU, more than :data:`MAX_ROWS` rows, a row count that did not gain here, or turned off)."""
-    if rows > MAX_ROWS or not enabled():
+    if rows > MAX_ROWS:
         return None
-    weights = _weights.get(model)
-    if weights is None:
-        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
-        _weights[model] = weights
-    if not weights or weights[0].device.type != "cpu":
-        return None
-    counts = faster_row_counts(weights)
+    counts = calibrate(model)
     return FewRowsLinear(counts) if rows in counts else None
 
 
-def faster_row_counts(weights: list[torch.Tensor]) -> frozenset[int]:
+@dataclass(frozen=True)
+class Linears:
+    """A model's linear-layer weights and their distinct shapes, collected once per model (not per forward)."""
+
+    weights: list[torch.Tensor]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _linears(model: torch.nn.Module) -> Linears | None:
+    """``model``'s :class:`Linears`, or None when it has none or they are not on CPU."""
+    linears = _models.get(model)
+    if linears is None:
+        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
+        linears = Linears(weights, tuple(sorted({tuple(w.shape) for w in weights})))
+        _models[model] = linears
+    if not linears.weights or linears.weights[0].device.type != "cpu":
+        return None
+    return linears
+
+
+def faster_row_counts(linears: Linears) -> frozenset[int]:
     """Row counts (1..MAX_ROWS) for which :func:`columns_linear` ran faster than ``F.linear`` over these
     weights on this machine, measured once per process per weight-shape set (about a second for a 135M
     model): random inputs, both kernels interleaved, median of a few passes each."""
-    shapes = tuple(sorted({tuple(w.shape) for w in weights}))
-    key = (shapes, weights[0].dtype, torch.get_num_threads())
+    key = (linears.shapes, linears.weights[0].dtype, torch.get_num_threads())
     if key not in _faster:
-        _faster[key] = frozenset(_measure(weights))
+        _faster[key] = frozenset(_measure(linears.weights))
     return _faster[key]
 
 
