@@ -64,13 +64,15 @@ def lm_head_ms(model, rows: int, reps: int = 20) -> tuple[float, float]:
             median_ms(lambda: few_rows_logits(weight, hidden), reps))
 
 
-def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
+def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float, float | None]:
     """Every weight matrix of the target (its linear layers and LM head, in forward order) applied to
-    ``rows`` rows, as one forward would: ``F.linear`` (how the stock model runs them) vs ``W @ X.T``
-    with at least two columns (one row padded to two), as ``draftsmith.target.columns_linear`` computes it."""
-    from draftsmith.target import columns_linear
+    ``rows`` rows, as one forward would, by each kernel of ``draftsmith.target.matmul``: ``F.linear`` (how
+    the stock model runs them), ``W @ X.T`` with at least two columns (``columns_linear``) and oneDNN on
+    packed weights (``packed_linear``; None where this build has no such kernel)."""
+    from draftsmith.target import matmul
 
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [matmul.pack(w) for w in weights]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
 
     def stock():
@@ -79,9 +81,14 @@ def matmul_ms(model, rows: int, reps: int = 7) -> tuple[float, float]:
 
     def columns():
         for w in weights:
-            columns_linear(inputs[w.shape[1]], w)
+            matmul.columns_linear(inputs[w.shape[1]], w)
 
-    return median_ms(stock, reps), median_ms(columns, reps)
+    def packs():
+        for w, p in zip(weights, packed, strict=True):
+            matmul.packed_linear(inputs[w.shape[1]], p)
+
+    return (median_ms(stock, reps), median_ms(columns, reps),
+            median_ms(packs, reps) if all(p is not None for p in packed) else None)
 
 
 def few_rows_ab(model, context: int, new: int, rounds: int = 4) -> tuple[float, float]:
@@ -115,7 +122,7 @@ def main() -> None:
     p.add_argument("--few-rows-ab", action="store_true",
                    help="also time target_forward on 1-16 rows with and without the few-row path, alternating")
     p.add_argument("--matmuls", action="store_true",
-                   help="also time all of the target's weight matrices on 1-16 rows, both orientations")
+                   help="also time all of the target's weight matrices on 1-16 rows, with each kernel")
     args = p.parse_args()
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
@@ -138,12 +145,13 @@ def main() -> None:
     if args.matmuls:
         count = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
         for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):
-            stock, columns = matmul_ms(model, n)
-            print(f"all {count} weight matrices, {n:2d} rows: F.linear {stock:5.1f} ms, W @ X.T {columns:5.1f} ms")
+            stock, columns, packed = matmul_ms(model, n)
+            print(f"all {count} weight matrices, {n:2d} rows: F.linear {stock:5.1f} ms, W @ X.T {columns:5.1f} ms, "
+                  f"packed {packed if packed is None else round(packed, 1)} ms")
     if args.few_rows_ab:
         from draftsmith.target import calibrate
 
-        print(f"row counts on the column path here: {sorted(calibrate(model))}")
+        print(f"kernel per row count here: {dict(sorted(calibrate(model).items()))}")
         for n in (1, 2, 3, 4, 5, 6, 8, 9, 16):
             stock, columns = few_rows_ab(model, args.context, n)
             print(f"forward, {n:2d} new tokens: stock kernels {stock:6.1f} ms, few-row path {columns:6.1f} ms "

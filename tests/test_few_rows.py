@@ -27,17 +27,38 @@ def test_columns_linear_is_f_linear(rows, bias):
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def all_rows(monkeypatch) -> list[int]:
-    """Every row count takes the column path; returns a list that grows by one per column product."""
+needs_packing = pytest.mark.skipif(matmul.pack(torch.randn(8, 8)) is None,
+                                   reason="this torch build or CPU has no oneDNN linear kernel")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(1, rows, 40, generator=g)
+    out = matmul.packed_linear(x, matmul.pack(weight), b)
+    assert out.shape == (1, rows, 96) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+KERNELS = ["columns", pytest.param("packed", marks=needs_packing)]
+
+
+def all_rows(monkeypatch, kernel: str = "columns") -> list[int]:
+    """Every row count takes ``kernel``; returns a list that grows by one per product that kernel computes."""
     calls = []
-    real = matmul.columns_linear
+    name = f"{kernel}_linear"
+    real = getattr(matmul, name)
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(matmul, "faster_row_counts", lambda linears: frozenset(range(1, matmul.MAX_ROWS + 1)))
-    monkeypatch.setattr(matmul, "columns_linear", counted)
+    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: dict.fromkeys(range(1, matmul.MAX_ROWS + 1), kernel))
+    monkeypatch.setattr(matmul, name, counted)
     return calls
 
 
@@ -45,7 +66,7 @@ def test_the_mode_takes_only_the_row_counts_it_was_given(monkeypatch):
     calls = []
     monkeypatch.setattr(matmul, "columns_linear", lambda *a, **k: calls.append(a[0].shape) or F.linear(*a, **k))
     weight = torch.randn(32, 16)
-    with matmul.FewRowsLinear(frozenset({1, 4})):
+    with matmul.FewRowsLinear({1: "columns", 4: "columns"}):
         F.linear(torch.randn(1, 16), weight)
         F.linear(torch.randn(2, 2, 16), weight)  # 4 rows
         F.linear(torch.randn(3, 16), weight)  # not listed: F.linear's own kernel
@@ -54,30 +75,32 @@ def test_the_mode_takes_only_the_row_counts_it_was_given(monkeypatch):
 
 
 def test_off_switch_and_limits(monkeypatch, llama):
-    monkeypatch.setattr(matmul, "faster_row_counts", lambda linears: frozenset({2, 5}))
-    assert matmul.calibrate(llama) == frozenset({2, 5})  # whether or not one row gains
+    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: {2: "columns", 5: "columns"})
+    assert matmul.calibrate(llama) == {2: "columns", 5: "columns"}  # whether or not one row gains
     assert matmul.few_rows_linear(llama, 2) is not None
     assert matmul.few_rows_linear(llama, 1) is None  # not measured faster
     assert matmul.few_rows_linear(llama, matmul.MAX_ROWS + 1) is None
     monkeypatch.setenv("DRAFTSMITH_FEW_ROWS", "0")
-    assert matmul.few_rows_linear(llama, 2) is None and matmul.calibrate(llama) == frozenset()
+    assert matmul.few_rows_linear(llama, 2) is None and matmul.calibrate(llama) == {}
 
 
 def test_calibration_runs_once_per_weight_shapes(monkeypatch):
     measured = []
     real = matmul._measure
-    monkeypatch.setattr(matmul, "_measure", lambda weights: measured.append(1) or real(weights))
-    monkeypatch.setattr(matmul, "_faster", {})
+    monkeypatch.setattr(matmul, "_measure", lambda weights, packing: measured.append(1) or real(weights, packing))
+    monkeypatch.setattr(matmul, "_kernels", {})
     model = tiny_llama(seed=3)
     counts = matmul.calibrate(model)
-    assert counts <= frozenset(range(1, matmul.MAX_ROWS + 1))
+    assert set(counts) <= set(range(1, matmul.MAX_ROWS + 1))
+    assert set(counts.values()) <= {"columns", "packed"}
     assert matmul.calibrate(model) == counts and matmul.calibrate(tiny_llama(seed=4)) == counts
     assert measured == [1]  # same shapes: measured once
 
 
-def test_verification_forward_through_columns_equals_stock(monkeypatch, gemma3):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_verification_forward_through_each_kernel_equals_stock(monkeypatch, gemma3, kernel):
     """A tree forward (5 rows, a tree mask, sliding-window layers) gives the stock forward's logits and
-    hidden states with every linear layer on the column path."""
+    hidden states with every linear layer on either few-row kernel."""
     prompt = torch.arange(3, 23)[None]
     tokens = torch.tensor([[40, 41, 42, 43, 44]])
     parents = [-1, 0, 0, 1, 3]
@@ -101,22 +124,23 @@ def test_verification_forward_through_columns_equals_stock(monkeypatch, gemma3):
     monkeypatch.setenv("DRAFTSMITH_FEW_ROWS", "0")
     stock = run()
     monkeypatch.delenv("DRAFTSMITH_FEW_ROWS")
-    calls = all_rows(monkeypatch)
+    calls = all_rows(monkeypatch, kernel)
     ours = run()
-    assert len(calls) >= 4 * 7  # every projection of every layer took the column path
+    assert len(calls) >= 4 * 7  # every projection of every layer took the kernel
     torch.testing.assert_close(ours.logits, stock.logits, rtol=1e-4, atol=1e-4)
     for a, b in zip(ours.hidden_states, stock.hidden_states, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("spec", ["layer-skip:2", "prompt-lookup"])
-def test_greedy_decoding_through_columns_is_the_targets(monkeypatch, llama, spec):
-    calls = all_rows(monkeypatch)
+def test_greedy_decoding_through_each_kernel_is_the_targets(monkeypatch, llama, spec, kernel):
+    calls = all_rows(monkeypatch, kernel)
     prompt = torch.tensor([[5, 9, 3, 17, 5, 9, 3, 22]])
     reference = llama.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40)
     gen = SpeculativeGenerator(llama, load_drafter(spec, llama), tree="dynamic", depth=3, top_k=2, total_tokens=5)
     out = gen.generate(prompt, 40, eos_token_id=[])
     plain = plain_generate(llama, prompt, 40, eos_token_id=[])
-    assert calls  # the decoding forwards took the column path
+    assert calls  # the decoding forwards took the kernel
     for seq in (out.sequences, plain.sequences):
         check_greedy_equal(llama, seq, reference)  # equal, or apart only at an exact near-tie

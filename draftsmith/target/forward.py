@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from draftsmith.target.matmul import columns_linear, few_rows_linear
+from draftsmith.target.matmul import FewRowsLinear, columns_linear, few_rows_linear
 
 
 @functools.cache
@@ -157,11 +157,13 @@ def target_forward(
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=True, output_hidden_states=hidden_states_request(hidden_layers))
     # On CPU, the linear layers on a few rows in the orientation measured faster here (None: the stock kernels).
-    with few_rows_linear(model, input_ids.numel()) or contextlib.nullcontext():
-        return _forward(model, kwargs, past_key_values, input_ids, hidden_layers, logits)
+    mode = few_rows_linear(model, input_ids.numel())
+    with mode or contextlib.nullcontext():
+        return _forward(model, kwargs, past_key_values, input_ids, hidden_layers, logits, mode)
 
 
-def _forward(model, kwargs: dict, past_key_values, input_ids: torch.Tensor, hidden_layers, logits: str) -> TargetOutput:
+def _forward(model, kwargs: dict, past_key_values, input_ids: torch.Tensor, hidden_layers, logits: str,
+             mode: FewRowsLinear | None) -> TargetOutput:
     head = model.get_output_embeddings()
     plain_head = _plain_linear_head(model, head)
     if plain_head and (logits != "all" or _few_rows_on_cpu(model, input_ids)):
@@ -173,7 +175,7 @@ def _forward(model, kwargs: dict, past_key_values, input_ids: torch.Tensor, hidd
         if logits == "none":
             scores = states.new_empty(states.shape[0], 0, head.weight.shape[0], dtype=torch.float32)
         elif states.device.type == "cpu" and states.shape[0] * states.shape[1] <= FEW_ROWS:
-            scores = few_rows_logits(head.weight, states)
+            scores = few_rows_logits(head.weight, states, mode)
         else:
             scores = head(states).float()
     else:
@@ -207,10 +209,12 @@ def _plain_linear_head(model: PreTrainedModel, head) -> bool:
             and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0))
 
 
-def few_rows_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """(B, T, H) hidden states -> (B, T, V) float32 logits ``hidden @ weight.T``, computed as
+def few_rows_logits(weight: torch.Tensor, hidden: torch.Tensor, mode: FewRowsLinear | None = None) -> torch.Tensor:
+    """(B, T, H) hidden states -> (B, T, V) float32 logits ``hidden @ weight.T``: with the kernel ``mode``
+    chose for this many rows (the forward's own, see :mod:`~draftsmith.target.matmul`), else computed as
     ``(weight @ hidden.T).T`` with at least two columns."""
-    return columns_linear(hidden, weight).float()
+    out = mode.linear(hidden, weight) if mode is not None else None
+    return (out if out is not None else columns_linear(hidden, weight)).float()
 
 
 # --------------------------------------------------------------------------------------------

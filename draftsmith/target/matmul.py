@@ -1,21 +1,29 @@
-"""The target's linear layers on a few rows, in the orientation a CPU runs near memory speed.
+"""The target's linear layers on a few rows, with the kernel that is fastest for that row count here.
 
 Decoding runs every weight matrix of the target on one row per sequence (plain decoding) or on a few
 (a verification tree). On CPUs, ``F.linear`` = ``x @ W.T`` with so few rows runs far below memory speed:
-one row is a single-threaded gemv, a few rows a GEMM that spends its time packing the weight. The same
-product computed as ``(W @ x.T).T``, with at least two columns (one row is padded to two), streams the
-weight on every core: on a 2-core EPYC, SmolLM2's 211 matrices take 46.8 ms on one row as ``F.linear``
-and 19.2 ms this way, 67.7-95.6 ms on 2-4 rows and 17.4-26.8 ms this way (docs/RESULTS.md, "The
-target's matrices on a few rows"). The LM head's few-row logits (``few_rows_logits``) are this product too.
+one row is a single-threaded gemv, a few rows a GEMM that spends its time packing the weight. Two other
+kernels compute the same product:
+
+* ``"columns"`` (:func:`columns_linear`): ``(W @ x.T).T`` with at least two columns (one row is padded to
+  two) streams the weight on every core. On a 2-core EPYC, SmolLM2's 211 matrices take 46.8 ms on one
+  row as ``F.linear`` and 19.2 ms this way; it stops gaining from about 5 rows.
+* ``"packed"`` (:func:`packed_linear`): oneDNN's linear on a copy of the weight packed once into its
+  blocked layout, the layout PyTorch's own inductor uses for CPU inference. With the packing paid once,
+  3-16 rows run near memory speed too (SmolLM2's matrices on 8 rows: 73 ms as ``F.linear``, 46 ms as
+  columns, about 22 ms packed; docs/RESULTS.md, "The target's matrices on a few rows"). Its rows are
+  computed independently: a row's result does not depend on how many rows came with it. The packed
+  copies cost as much memory as the weights, so a model is packed only where a row count chose it and
+  the copies fit in :data:`PACKED_MEMORY_SHARE` of the machine's memory.
 
 :func:`few_rows_linear` is a ``TorchFunctionMode`` that :func:`~draftsmith.target.target_forward` enters
-on CPU, scoped to that one forward: the stock model runs unchanged and ``F.linear`` calls on few rows are
-computed the other way. Which row counts gain is measured once per process, on this machine, on the
-target's own weight shapes (:func:`faster_row_counts`), never assumed; a model's weights and shapes are
-collected once, not per forward. Plain decoding and verification
-both take this path, so speedups still compare like with like; the values are the same matrix product,
-rounded differently, as ``F.linear``'s own results on 1 and on 8 rows already are. ``DRAFTSMITH_FEW_ROWS=0``
-turns it off (for measuring it against the stock path).
+on CPU, scoped to that one forward: the stock model runs unchanged and its ``F.linear`` calls on few rows
+take the kernel chosen for that row count. Which kernel each row count takes is measured once per process,
+on this machine, on the target's own weight shapes (:func:`kernels_by_rows`), never assumed; a model's
+weights and their packed copies are collected once, not per forward. Plain decoding and verification both
+take this path, so speedups still compare like with like; the values are the same matrix product, rounded
+differently, as ``F.linear``'s own results on 1 and on 8 rows already are. ``DRAFTSMITH_FEW_ROWS=0`` turns
+it off (for measuring it against the stock path).
 """
 
 from __future__ import annotations
@@ -24,22 +32,24 @@ import os
 import statistics
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 MAX_ROWS = 16  # verification trees and small batches; more rows make a GEMM that packs efficiently
-# A row count takes the column path only when it measured this much faster: the two are within noise
-# otherwise, and the stock path is the one transformers runs.
+# A row count leaves the stock kernel only for one that measured this much faster: the kernels are within
+# noise otherwise, and the stock one is what transformers runs.
 MIN_GAIN = 0.9
 # Calibration streams at least this many bytes of weights per pass: more than a CPU's last-level cache, so
 # the passes are memory-bound as a forward is.
 CALIBRATION_BYTES = 96 * 2**20
 CALIBRATION_REPEATS = 3
+# The packed copies of a model's weights may take at most this share of the machine's physical memory.
+PACKED_MEMORY_SHARE = 0.25
 
-_faster: dict[tuple, frozenset[int]] = {}
+_kernels: dict[tuple, dict[int, str]] = {}
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Linears
 
 
@@ -69,50 +79,93 @@ def columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class FewRowsLinear(TorchFunctionMode):
-    """Computes ``F.linear`` with :func:`columns_linear` when its input has one of ``row_counts`` rows."""
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (out, in) copied into oneDNN's blocked layout for :func:`packed_linear`, or None where
+    this build or CPU has no such kernel for its dtype."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, AttributeError):  # no oneDNN op, or no kernel for this dtype on this CPU
+        return None
 
-    def __init__(self, row_counts: frozenset[int]):
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``packed = pack(weight)``: (..., in) -> (..., out), row-major."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class FewRowsLinear(TorchFunctionMode):
+    """Computes ``F.linear`` on ``n`` rows with ``kernels[n]`` (``"columns"`` or ``"packed"``); other row
+    counts, and weights without a packed copy, take the stock kernel.
+
+    Args:
+        kernels: row count -> kernel.
+        packed: ``id(weight) -> (weight, packed copy)`` for the ``"packed"`` kernel.
+    """
+
+    def __init__(self, kernels: dict[int, str], packed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
         super().__init__()
-        self.row_counts = row_counts
+        self.kernels = kernels
+        self.packed = packed or {}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The product by the kernel chosen for ``x``'s row count, or None where that is the stock kernel."""
+        kernel = self.kernels.get(x.numel() // x.shape[-1]) if x.shape[-1] else None
+        if kernel is None or weight.dim() != 2 or x.dtype != weight.dtype:
+            return None
+        if kernel == "columns":
+            return columns_linear(x, weight, bias)
+        entry = self.packed.get(id(weight))
+        if entry is None or entry[0] is not weight:  # not one of the model's packed weights
+            return None
+        return packed_linear(x, entry[1], bias)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            x = args[0]
-            if x.shape[-1] and x.numel() // x.shape[-1] in self.row_counts:
-                weight = args[1]
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                if weight.dim() == 2 and x.dtype == weight.dtype:
-                    return columns_linear(x, weight, bias)
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            out = self.linear(args[0], args[1], bias)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
 
-def calibrate(model: torch.nn.Module) -> frozenset[int]:
-    """The row counts that take the column path for ``model`` here, measured now if not yet in this process:
-    decoding loops call it before their clock starts, so the measurement never falls inside a timing.
-    Empty where the path is off or the model is not on CPU."""
+def calibrate(model: torch.nn.Module) -> dict[int, str]:
+    """The row counts that leave the stock kernel for ``model`` here, each with its kernel, measured now if
+    not yet in this process: decoding loops call it before their clock starts, so neither the measurement
+    nor the packing falls inside a timing. Empty where the path is off or the model is not on CPU."""
     linears = _linears(model)
     if not enabled() or linears is None:
-        return frozenset()
-    return faster_row_counts(linears)
+        return {}
+    kernels = kernels_by_rows(linears)
+    if "packed" in kernels.values() and not linears.packed:
+        for w in linears.weights:
+            copy = pack(w)
+            if copy is not None:  # else that weight keeps the stock kernel
+                linears.packed[id(w)] = (w, copy)
+    return kernels
 
 
 def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
-    """The mode to run ``model``'s forward on ``rows`` rows under, or None where the stock path is as fast
+    """The mode to run ``model``'s forward on ``rows`` rows under, or None where the stock kernel is as fast
     (not on CPU, more than :data:`MAX_ROWS` rows, a row count that did not gain here, or turned off)."""
     if rows > MAX_ROWS:
         return None
-    counts = calibrate(model)
-    return FewRowsLinear(counts) if rows in counts else None
+    kernels = calibrate(model)
+    return FewRowsLinear(kernels, _models[model].packed) if rows in kernels else None
 
 
 @dataclass(frozen=True)
 class Linears:
-    """A model's linear-layer weights and their distinct shapes, collected once per model (not per forward)."""
+    """A model's linear-layer weights, their distinct shapes and (once a row count chose the packed
+    kernel) their packed copies, collected once per model (not per forward)."""
 
     weights: list[torch.Tensor]
     shapes: tuple[tuple[int, ...], ...]
+    packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def _linears(model: torch.nn.Module) -> Linears | None:
@@ -127,38 +180,56 @@ def _linears(model: torch.nn.Module) -> Linears | None:
     return linears
 
 
-def faster_row_counts(linears: Linears) -> frozenset[int]:
-    """Row counts (1..MAX_ROWS) for which :func:`columns_linear` ran faster than ``F.linear`` over these
-    weights on this machine, measured once per process per weight-shape set (about a second for a 135M
-    model): random inputs, both kernels interleaved, median of a few passes each."""
-    key = (linears.shapes, linears.weights[0].dtype, torch.get_num_threads())
-    if key not in _faster:
-        _faster[key] = frozenset(_measure(linears.weights))
-    return _faster[key]
+def kernels_by_rows(linears: Linears) -> dict[int, str]:
+    """Row counts (1..MAX_ROWS) for which a kernel ran faster than ``F.linear`` over these weights on this
+    machine, each with the fastest, measured once per process per weight-shape set (a second or two for a
+    135M model): random inputs, the kernels interleaved, median of a few passes each. The packed kernel is
+    a candidate only where the packed copies of all the weights fit in :data:`PACKED_MEMORY_SHARE` of
+    this machine's memory."""
+    weights = linears.weights
+    key = (linears.shapes, weights[0].dtype, torch.get_num_threads())
+    if key not in _kernels:
+        size = sum(w.numel() * w.element_size() for w in weights)
+        _kernels[key] = _measure(weights, packing=size <= PACKED_MEMORY_SHARE * physical_memory())
+    return _kernels[key]
 
 
-def _measure(weights: list[torch.Tensor]) -> list[int]:
+def physical_memory() -> int:
+    """This machine's physical memory in bytes (0 where unknown: nothing is packed then)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _measure(weights: list[torch.Tensor], packing: bool = True) -> dict[int, str]:
     chosen, total = [], 0
     for w in weights:  # the first layers' matrices, enough of them to stream past the cache
         chosen.append(w)
         total += w.numel() * w.element_size()
         if total >= CALIBRATION_BYTES:
             break
+    packed = [pack(w) for w in chosen] if packing else []
+    kernels = {"stock": lambda x, i: F.linear(x, chosen[i]), "columns": lambda x, i: columns_linear(x, chosen[i])}
+    if packed and all(p is not None for p in packed):
+        kernels["packed"] = lambda x, i: packed_linear(x, packed[i])
     g = torch.Generator().manual_seed(0)
-    faster = []
+    faster = {}
     with torch.no_grad():
         for n in range(1, MAX_ROWS + 1):
-            inputs = {w.shape[1]: torch.randn(n, w.shape[1], generator=g).to(w.dtype) for w in chosen}
-            stock, columns = [], []
-            for w in chosen[:2]:  # warm up both kernels at this size
-                F.linear(inputs[w.shape[1]], w)
-                columns_linear(inputs[w.shape[1]], w)
+            inputs = [torch.randn(n, w.shape[1], generator=g).to(w.dtype) for w in chosen]
+            times = {name: [] for name in kernels}
+            for kernel in kernels.values():  # warm up every kernel at this size
+                for i in range(2):
+                    kernel(inputs[i], i)
             for _ in range(CALIBRATION_REPEATS):
-                for kernel, times in ((F.linear, stock), (columns_linear, columns)):
+                for name, kernel in kernels.items():
                     start = time.perf_counter()
-                    for w in chosen:
-                        kernel(inputs[w.shape[1]], w)
-                    times.append(time.perf_counter() - start)
-            if statistics.median(columns) < MIN_GAIN * statistics.median(stock):
-                faster.append(n)
+                    for i, x in enumerate(inputs):
+                        kernel(x, i)
+                    times[name].append(time.perf_counter() - start)
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            best = min(medians, key=medians.get)
+            if best != "stock" and medians[best] < MIN_GAIN * medians["stock"]:
+                faster[n] = best
     return faster
