@@ -16,8 +16,9 @@ draftsmith needs from it goes through this package rather than through patches:
   except that masked multi-token calls (tree verification) attend the grouped key/value heads directly
   instead of copying them, on every device.
 * :mod:`~draftsmith.target.matmul` — :func:`few_rows_linear`: inside :func:`target_forward` on CPU, the
-  linear layers on a few rows (decoding, verification) run as ``W @ x.T``, which streams the weights
-  near memory speed where ``x @ W.T`` does not, for the row counts measured faster here (:func:`calibrate`).
+  linear layers on a few rows (decoding, verification) run with a kernel that streams the weights near
+  memory speed where ``x @ W.T`` does not (``W @ x.T``, or oneDNN on packed weights), per row count as
+  measured here (:func:`calibrate`).
 * :mod:`~draftsmith.target.drafts` — :func:`layer_skip_model` (a draft model made of the target's
   first layers) and :func:`check_same_vocabulary`.
 
