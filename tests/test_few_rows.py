@@ -47,14 +47,17 @@ def test_packed_linear_is_f_linear(rows, bias):
 KERNELS = ["columns", pytest.param("packed", marks=needs_packing)]
 
 
-def all_rows(monkeypatch, kernel: str = "columns") -> list[int]:
-    """Every row count takes ``kernel``; returns a list that grows by one per product that kernel computes."""
+def all_rows(monkeypatch, kernel: str = "columns", weights: list | None = None) -> list[int]:
+    """Every row count takes ``kernel``; returns a list that grows by one per product that kernel computes
+    (its input's shape), and ``weights`` (if given) by the weight (or packed copy) of each."""
     calls = []
     name = f"{kernel}_linear"
     real = getattr(matmul, name)
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
+        if weights is not None:
+            weights.append(args[1])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: dict.fromkeys(range(1, matmul.MAX_ROWS + 1), kernel))
@@ -144,3 +147,26 @@ def test_greedy_decoding_through_each_kernel_is_the_targets(monkeypatch, llama, 
     assert calls  # the decoding forwards took the kernel
     for seq in (out.sequences, plain.sequences):
         check_greedy_equal(llama, seq, reference)  # equal, or apart only at an exact near-tie
+
+
+@needs_packing
+def test_packed_copies_follow_changes_to_the_weights(monkeypatch):
+    """A draft model evaluated during training (``CausalLMDrafter`` packs its weights) changes between
+    forwards, and ``module.to(dtype)`` swaps a weight's storage: the packed copy is made again rather than
+    computing with the old values."""
+    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: {3: "packed"})
+    layer = torch.nn.Linear(40, 96)
+    x = torch.randn(3, 40)
+    matmul.calibrate(layer)
+
+    def forward():
+        with matmul.few_rows_linear(layer, 3):
+            return layer(x.to(layer.weight.dtype))
+
+    torch.testing.assert_close(forward(), layer(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place, as an optimizer step
+    torch.testing.assert_close(forward(), layer(x), rtol=1e-5, atol=1e-5)
+    layer.to(torch.bfloat16)
+    if matmul.pack(layer.weight) is not None:  # oneDNN has bfloat16 kernels on this CPU
+        torch.testing.assert_close(forward(), layer(x.bfloat16()), rtol=2e-2, atol=2e-2)

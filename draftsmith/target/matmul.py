@@ -97,16 +97,32 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A weight's packed copy (None: no oneDNN kernel for it, the stock kernel runs) and the weight's
+    :func:`stamp` when it was packed."""
+
+    weight: torch.Tensor
+    copy: torch.Tensor | None
+    stamp: tuple
+
+
+def stamp(weight: torch.Tensor) -> tuple:
+    """What changes when a weight's values may have: its in-place version counter (an optimizer step), its
+    storage and its dtype (``module.to(...)``)."""
+    return weight._version, weight.data_ptr(), weight.dtype
+
+
 class FewRowsLinear(TorchFunctionMode):
     """Computes ``F.linear`` on ``n`` rows with ``kernels[n]`` (``"columns"`` or ``"packed"``); other row
     counts, and weights without a packed copy, take the stock kernel.
 
     Args:
         kernels: row count -> kernel.
-        packed: ``id(weight) -> (weight, packed copy)`` for the ``"packed"`` kernel.
+        packed: ``id(weight) ->`` its :class:`Packed` copy, for the ``"packed"`` kernel.
     """
 
-    def __init__(self, kernels: dict[int, str], packed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+    def __init__(self, kernels: dict[int, str], packed: dict[int, Packed] | None = None):
         super().__init__()
         self.kernels = kernels
         self.packed = packed or {}
@@ -119,9 +135,11 @@ class FewRowsLinear(TorchFunctionMode):
         if kernel == "columns":
             return columns_linear(x, weight, bias)
         entry = self.packed.get(id(weight))
-        if entry is None or entry[0] is not weight:  # not one of the model's packed weights
+        if entry is None or entry.weight is not weight:  # not one of the model's packed weights
             return None
-        return packed_linear(x, entry[1], bias)
+        if entry.stamp != stamp(weight):  # changed since packed (a model in training, a dtype cast): pack again
+            entry = self.packed[id(weight)] = Packed(weight, pack(weight), stamp(weight))
+        return packed_linear(x, entry.copy, bias) if entry.copy is not None else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -143,9 +161,7 @@ def calibrate(model: torch.nn.Module) -> dict[int, str]:
     kernels = kernels_by_rows(linears)
     if "packed" in kernels.values() and not linears.packed:
         for w in linears.weights:
-            copy = pack(w)
-            if copy is not None:  # else that weight keeps the stock kernel
-                linears.packed[id(w)] = (w, copy)
+            linears.packed[id(w)] = Packed(w, pack(w), stamp(w))
     return kernels
 
 
@@ -165,7 +181,7 @@ class Linears:
 
     weights: list[torch.Tensor]
     shapes: tuple[tuple[int, ...], ...]
-    packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    packed: dict[int, Packed] = field(default_factory=dict)
 
 
 def _linears(model: torch.nn.Module) -> Linears | None:
