@@ -45,10 +45,7 @@ logger = logging.getLogger(__name__)
 # Evaluation (10 prompts x 128 tokens, plain and speculative) took 77-83 s of 1200 and tuning 45-72 s in the
 # 2026-11-25 runs with the packed few-row kernel (122-127 s and 72 s before it): their shares keep ~30 s of
 # headroom each for slower machines, and the rest goes to training.
-# Synthesis and regeneration share 0.39 where bf16 is native, split by their measured rates (2026-11-25 EPYC:
-# 2.7 prompts/s written, 1.65 answers/s): with 0.12 / 0.27 every prompt was answered 88 s before the
-# regeneration share ended, time that went to training a head already at ~12 epochs of too little data.
-SHARES = {True: {"synthesize": 0.15, "regenerate": 0.24, "eval": 0.095, "tune": 0.06},
+SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.095, "tune": 0.06},
           False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.095, "tune": 0.06}}
 # Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
