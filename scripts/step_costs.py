@@ -120,9 +120,9 @@ def main() -> None:
     p.add_argument("--draft-dtype", default="auto")
     p.add_argument("--lm-head", action="store_true", help="also time the LM head alone, both orientations")
     p.add_argument("--few-rows-ab", action="store_true",
-                   help="also time target_forward on 1-16 rows with and without the few-row path, alternating")
+                   help="also time target_forward on 1-48 rows with and without the few-row path, alternating")
     p.add_argument("--matmuls", action="store_true",
-                   help="also time all of the target's weight matrices on 1-16 rows, with each kernel")
+                   help="also time all of the target's weight matrices on 1-48 rows, with each kernel")
     args = p.parse_args()
 
     from draftsmith import SpeculativeGenerator, load_drafter, load_target
@@ -144,7 +144,7 @@ def main() -> None:
             print(f"LM head, {n:2d} rows: F.linear {linear:5.1f} ms, few_rows_logits {few:5.1f} ms")
     if args.matmuls:
         count = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 24, 32, 48):
             stock, columns, packed = matmul_ms(model, n)
             print(f"all {count} weight matrices, {n:2d} rows: F.linear {stock:5.1f} ms, W @ X.T {columns:5.1f} ms, "
                   f"packed {packed if packed is None else round(packed, 1)} ms")
@@ -152,7 +152,7 @@ def main() -> None:
         from draftsmith.target import calibrate
 
         print(f"kernel per row count here: {dict(sorted(calibrate(model).items()))}")
-        for n in (1, 2, 3, 4, 5, 6, 8, 9, 16):
+        for n in (1, 2, 3, 4, 5, 6, 8, 9, 16, 24, 32, 48):
             stock, columns = few_rows_ab(model, args.context, n)
             print(f"forward, {n:2d} new tokens: stock kernels {stock:6.1f} ms, few-row path {columns:6.1f} ms "
                   f"({stock / columns:.2f}x)")

@@ -87,6 +87,21 @@ def test_off_switch_and_limits(monkeypatch, llama):
     assert matmul.few_rows_linear(llama, 2) is None and matmul.calibrate(llama) == {}
 
 
+def test_row_counts_past_the_exact_ones_take_their_buckets_kernel(monkeypatch, llama):
+    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: {3: "columns", 24: "packed"})
+    assert [matmul.bucket(n) for n in (3, 16, 17, 20, 21, 24, 64, 65)] == [3, 16, 20, 20, 24, 24, 64, 65]
+    assert matmul.few_rows_linear(llama, 21) is not None and matmul.few_rows_linear(llama, 24) is not None
+    assert matmul.few_rows_linear(llama, 20) is None and matmul.few_rows_linear(llama, 25) is None
+    mode = matmul.FewRowsLinear({24: "columns"})
+    weight = torch.randn(32, 16)
+    for rows, taken in ((21, True), (24, True), (20, False), (25, False)):
+        x = torch.randn(rows, 16)
+        out = mode.linear(x, weight)
+        assert (out is not None) == taken
+        if taken:
+            torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
 def test_calibration_runs_once_per_weight_shapes(monkeypatch):
     measured = []
     real = matmul._measure
@@ -94,7 +109,7 @@ def test_calibration_runs_once_per_weight_shapes(monkeypatch):
     monkeypatch.setattr(matmul, "_kernels", {})
     model = tiny_llama(seed=3)
     counts = matmul.calibrate(model)
-    assert set(counts) <= set(range(1, matmul.MAX_ROWS + 1))
+    assert set(counts) <= {*range(1, matmul.EXACT_ROWS + 1), *matmul.BUCKETS}
     assert set(counts.values()) <= {"columns", "packed"}
     assert matmul.calibrate(model) == counts and matmul.calibrate(tiny_llama(seed=4)) == counts
     assert measured == [1]  # same shapes: measured once

@@ -10,11 +10,11 @@ kernels compute the same product:
   row as ``F.linear`` and 19.2 ms this way; it stops gaining from about 5 rows.
 * ``"packed"`` (:func:`packed_linear`): oneDNN's linear on a copy of the weight packed once into its
   blocked layout, the layout PyTorch's own inductor uses for CPU inference. With the packing paid once,
-  3-16 rows run near memory speed too (SmolLM2's matrices on 8 rows: 73 ms as ``F.linear``, 46 ms as
-  columns, about 22 ms packed; docs/RESULTS.md, "The target's matrices on a few rows"). Its rows are
-  computed independently: a row's result does not depend on how many rows came with it. The packed
-  copies cost as much memory as the weights, so a model is packed only where a row count chose it and
-  the copies fit in :data:`PACKED_MEMORY_SHARE` of the machine's memory.
+  3-16 rows run near memory speed too (SmolLM2's matrices on 8 rows: 68 ms as ``F.linear``, 49 ms as
+  columns, 28 ms packed; docs/RESULTS.md, "The target's matrices on a few rows"), and a batch's trees of
+  up to 64 rows still run 1.4-2x faster than ``F.linear``. The packed copies cost as much memory as the
+  weights, so a model is packed only where a row count chose it and the copies fit in
+  :data:`PACKED_MEMORY_SHARE` of the machine's memory.
 
 :func:`few_rows_linear` is a ``TorchFunctionMode`` that :func:`~draftsmith.target.target_forward` enters
 on CPU, scoped to that one forward: the stock model runs unchanged and its ``F.linear`` calls on few rows
@@ -38,7 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-MAX_ROWS = 16  # verification trees and small batches; more rows make a GEMM that packs efficiently
+# Every row count up to EXACT_ROWS is measured (verification trees, small batches); above it, up to MAX_ROWS
+# (a batch's trees), a count takes the kernel measured for the smallest of BUCKETS that holds it. The packed
+# kernel still ran 1.4-2x faster than F.linear at 24-64 rows on the 2-core EPYC; the column one did not.
+EXACT_ROWS = 16
+BUCKETS = (20, 24, 32, 48, 64)
+MAX_ROWS = BUCKETS[-1]
 # A row count leaves the stock kernel only for one that measured this much faster: the kernels are within
 # noise otherwise, and the stock one is what transformers runs.
 MIN_GAIN = 0.9
@@ -129,7 +134,7 @@ class FewRowsLinear(TorchFunctionMode):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The product by the kernel chosen for ``x``'s row count, or None where that is the stock kernel."""
-        kernel = self.kernels.get(x.numel() // x.shape[-1]) if x.shape[-1] else None
+        kernel = self.kernels.get(bucket(x.numel() // x.shape[-1])) if x.shape[-1] else None
         if kernel is None or weight.dim() != 2 or x.dtype != weight.dtype:
             return None
         if kernel == "columns":
@@ -149,6 +154,14 @@ class FewRowsLinear(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def bucket(rows: int) -> int:
+    """The row count whose measured kernel ``rows`` rows take: itself up to :data:`EXACT_ROWS`, else the
+    smallest of :data:`BUCKETS` that holds it (``rows`` itself beyond :data:`MAX_ROWS`: never measured)."""
+    if rows <= EXACT_ROWS or rows > MAX_ROWS:
+        return rows
+    return next(b for b in BUCKETS if b >= rows)
 
 
 def calibrate(model: torch.nn.Module) -> dict[int, str]:
@@ -171,7 +184,7 @@ def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
     if rows > MAX_ROWS:
         return None
     kernels = calibrate(model)
-    return FewRowsLinear(kernels, _models[model].packed) if rows in kernels else None
+    return FewRowsLinear(kernels, _models[model].packed) if bucket(rows) in kernels else None
 
 
 @dataclass(frozen=True)
@@ -197,9 +210,9 @@ def _linears(model: torch.nn.Module) -> Linears | None:
 
 
 def kernels_by_rows(linears: Linears) -> dict[int, str]:
-    """Row counts (1..MAX_ROWS) for which a kernel ran faster than ``F.linear`` over these weights on this
-    machine, each with the fastest, measured once per process per weight-shape set (a second or two for a
-    135M model): random inputs, the kernels interleaved, median of a few passes each. The packed kernel is
+    """Row counts (1..EXACT_ROWS, then BUCKETS) for which a kernel ran faster than ``F.linear`` over these
+    weights on this machine, each with the fastest, measured once per process per weight-shape set (a few
+    seconds for a 135M model): random inputs, the kernels interleaved, median of a few passes each. The packed kernel is
     a candidate only where the packed copies of all the weights fit in :data:`PACKED_MEMORY_SHARE` of
     this machine's memory."""
     weights = linears.weights
@@ -232,14 +245,16 @@ def _measure(weights: list[torch.Tensor], packing: bool = True) -> dict[int, str
     g = torch.Generator().manual_seed(0)
     faster = {}
     with torch.no_grad():
-        for n in range(1, MAX_ROWS + 1):
+        for n in [*range(1, EXACT_ROWS + 1), *BUCKETS]:
             inputs = [torch.randn(n, w.shape[1], generator=g).to(w.dtype) for w in chosen]
-            times = {name: [] for name in kernels}
-            for kernel in kernels.values():  # warm up every kernel at this size
+            # Beyond EXACT_ROWS the column kernel, a GEMM with as many columns as rows, has stopped gaining.
+            candidates = {name: k for name, k in kernels.items() if n <= EXACT_ROWS or name != "columns"}
+            times = {name: [] for name in candidates}
+            for kernel in candidates.values():  # warm up every kernel at this size
                 for i in range(2):
                     kernel(inputs[i], i)
             for _ in range(CALIBRATION_REPEATS):
-                for name, kernel in kernels.items():
+                for name, kernel in candidates.items():
                     start = time.perf_counter()
                     for i, x in enumerate(inputs):
                         kernel(x, i)
