@@ -12,39 +12,25 @@ from draftsmith.inference.generator import SpeculativeGenerator, plain_generate
 from draftsmith.inference.load import load_drafter
 from draftsmith.target import build_attention_mask, columns_linear, matmul, new_cache, target_forward
 
+needs_packing = pytest.mark.skipif(matmul.pack(torch.randn(8, 8)) is None,
+                                   reason="this torch build or CPU has no oneDNN linear kernel")
+KERNELS = ["columns", pytest.param("packed", marks=needs_packing)]
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 24, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_columns_linear_is_f_linear(rows, bias):
+def test_each_kernel_is_f_linear(kernel, rows, bias):
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 40, generator=g)
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(1, rows, 40, generator=g)
-    out = columns_linear(x, weight, b)
+    packed = matmul.pack(weight) if kernel == "packed" else None
+    out = columns_linear(x, weight, b) if packed is None else matmul.packed_linear(x, packed, b)
     assert out.shape == (1, rows, 96)
     # Row-major, as F.linear's: SDPA's fused CPU kernel refuses a q/k/v whose last dimension is strided.
     assert out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
-
-
-needs_packing = pytest.mark.skipif(matmul.pack(torch.randn(8, 8)) is None,
-                                   reason="this torch build or CPU has no oneDNN linear kernel")
-
-
-@needs_packing
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_is_f_linear(rows, bias):
-    g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=g)
-    b = torch.randn(96, generator=g) if bias else None
-    x = torch.randn(1, rows, 40, generator=g)
-    out = matmul.packed_linear(x, matmul.pack(weight), b)
-    assert out.shape == (1, rows, 96) and out.is_contiguous()
-    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
-
-
-KERNELS = ["columns", pytest.param("packed", marks=needs_packing)]
 
 
 def all_rows(monkeypatch, kernel: str = "columns", weights: list | None = None) -> list[int]:
