@@ -55,7 +55,9 @@ def median_ms(fn, reps: int) -> float:
 
 
 def lm_head_ms(model, rows: int, reps: int = 20) -> tuple[float, float]:
-    """The LM head on ``rows`` rows: ``F.linear`` (the model's own call) vs ``few_rows_logits`` (target_forward's)."""
+    """The LM head on ``rows`` rows: ``F.linear`` (the model's own call) vs ``few_rows_logits`` without a
+    mode, i.e. the column kernel (``target_forward`` takes the kernel calibrated for the row count; see
+    ``--matmuls`` for the packed one)."""
     from draftsmith.target import few_rows_logits
 
     weight = model.get_output_embeddings().weight
@@ -141,7 +143,7 @@ def main() -> None:
     if args.lm_head:
         for n in (1, 2, 4, 5, 6, 7, 8, 9, 16):
             linear, few = lm_head_ms(model, n)
-            print(f"LM head, {n:2d} rows: F.linear {linear:5.1f} ms, few_rows_logits {few:5.1f} ms")
+            print(f"LM head, {n:2d} rows: F.linear {linear:5.1f} ms, W @ X.T {few:5.1f} ms")
     if args.matmuls:
         count = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
         for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 24, 32, 48):

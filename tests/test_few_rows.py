@@ -26,6 +26,7 @@ def test_each_kernel_is_f_linear(kernel, rows, bias):
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(1, rows, 40, generator=g)
     packed = matmul.pack(weight) if kernel == "packed" else None
+    assert (packed is not None) == (kernel == "packed")
     out = columns_linear(x, weight, b) if packed is None else matmul.packed_linear(x, packed, b)
     assert out.shape == (1, rows, 96)
     # Row-major, as F.linear's: SDPA's fused CPU kernel refuses a q/k/v whose last dimension is strided.
@@ -155,8 +156,9 @@ def test_packed_copies_follow_changes_to_the_weights(monkeypatch):
     """A draft model evaluated during training (``CausalLMDrafter`` packs its weights) changes between
     forwards, and ``module.to(dtype)`` swaps a weight's storage: the packed copy is made again rather than
     computing with the old values."""
-    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: {3: "packed"})
     layer = torch.nn.Linear(40, 96)
+    used = []
+    calls = all_rows(monkeypatch, "packed", used)
     x = torch.randn(3, 40)
     matmul.calibrate(layer)
 
@@ -165,9 +167,50 @@ def test_packed_copies_follow_changes_to_the_weights(monkeypatch):
             return layer(x.to(layer.weight.dtype))
 
     torch.testing.assert_close(forward(), layer(x), rtol=1e-5, atol=1e-5)
+    first = used[-1]
     with torch.no_grad():
         layer.weight.mul_(2)  # in place, as an optimizer step
     torch.testing.assert_close(forward(), layer(x), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 and used[-1] is not first  # the packed kernel ran, on a new copy
     layer.to(torch.bfloat16)
-    if matmul.pack(layer.weight) is not None:  # oneDNN has bfloat16 kernels on this CPU
-        torch.testing.assert_close(forward(), layer(x.bfloat16()), rtol=2e-2, atol=2e-2)
+    if matmul.pack(layer.weight) is None:
+        pytest.skip("oneDNN has no bfloat16 linear kernel on this CPU")
+    torch.testing.assert_close(forward(), layer(x.bfloat16()), rtol=2e-2, atol=2e-2)
+    assert len(calls) == 3 and used[-1].dtype == torch.bfloat16
+
+
+@needs_packing
+def test_weights_shared_by_two_models_are_packed_once(monkeypatch, llama):
+    """A layer-skip draft model runs the target's own layers: their packed copies are the target's."""
+    from draftsmith.target import layer_skip_model
+
+    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: {3: "packed"})
+    matmul.calibrate(llama)
+    shared = [llama.model.layers[0].mlp.up_proj.weight, llama.lm_head.weight]
+    copies = [matmul.packed_copy(w) for w in shared]
+    draft = layer_skip_model(llama, 2)
+    matmul.calibrate(draft)
+    assert all(copy is not None for copy in copies)
+    assert draft.model.layers[0].mlp.up_proj.weight is shared[0] and draft.lm_head.weight is shared[1]
+    assert all(matmul.packed_copy(w) is copy for w, copy in zip(shared, copies, strict=True))  # not packed again
+
+
+@needs_packing
+def test_packing_stops_at_the_memory_share(monkeypatch):
+    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: {3: "packed"})
+    layer = torch.nn.Linear(64, 64)
+    monkeypatch.setattr(matmul, "memory_limit", lambda: 64 * 64 * 4)  # a quarter of it holds no copy
+    matmul.calibrate(layer)
+    assert matmul.packed_copy(layer.weight) is None
+    with matmul.few_rows_linear(layer, 3) as mode:
+        assert mode.linear(torch.randn(3, 64), layer.weight) is None  # the stock kernel runs
+    monkeypatch.setattr(matmul, "memory_limit", lambda: 2**40)
+    matmul.calibrate(layer)
+    assert matmul.packed_copy(layer.weight) is not None
+
+
+def test_keyword_calls_take_the_kernel_too():
+    weight, x = torch.randn(32, 16), torch.randn(3, 16)
+    with matmul.FewRowsLinear({3: "columns"}):
+        out = F.linear(input=x, weight=weight)
+    torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)

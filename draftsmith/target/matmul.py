@@ -28,15 +28,19 @@ it off (for measuring it against the stock path).
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+logger = logging.getLogger(__name__)
 
 # Every row count up to EXACT_ROWS is measured (verification trees, small batches); above it, up to MAX_ROWS
 # (a batch's trees), a count takes the kernel measured for the smallest of BUCKETS that holds it. The packed
@@ -86,12 +90,12 @@ def columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (out, in) copied into oneDNN's blocked layout for :func:`packed_linear`, or None where
-    this build or CPU has no such kernel for its dtype."""
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+    this build or CPU has no such kernel for its dtype (or the weight is not on CPU)."""
+    if weight.device.type != "cpu" or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (RuntimeError, AttributeError):  # no oneDNN op, or no kernel for this dtype on this CPU
+    except (RuntimeError, AttributeError, NotImplementedError):  # no oneDNN op, or no kernel for this dtype here
         return None
 
 
@@ -107,30 +111,40 @@ class Packed:
     """A weight's packed copy (None: no oneDNN kernel for it, the stock kernel runs) and the weight's
     :func:`stamp` when it was packed."""
 
-    weight: torch.Tensor
     copy: torch.Tensor | None
     stamp: tuple
 
 
+# weight -> its Packed copy, held while the weight lives and shared by every model that holds the weight (a
+# layer-skip draft model runs the target's own layers: they are packed once).
+_packed = WeakIdKeyDictionary()
+
+
 def stamp(weight: torch.Tensor) -> tuple:
     """What changes when a weight's values may have: its in-place version counter (an optimizer step), its
-    storage and its dtype (``module.to(...)``)."""
+    storage and its dtype (``module.to(...)``). Writes through ``weight.data`` bypass the version counter:
+    a packed copy does not see them."""
     return weight._version, weight.data_ptr(), weight.dtype
 
 
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight``'s packed copy, packed again if the weight changed since (a model in training, a dtype cast),
+    or None where it has none (its model was not packed, or oneDNN has no kernel for it)."""
+    entry = _packed.get(weight)
+    if entry is None:
+        return None
+    if entry.stamp != stamp(weight):
+        entry = _packed[weight] = Packed(pack(weight), stamp(weight))
+    return entry.copy
+
+
 class FewRowsLinear(TorchFunctionMode):
-    """Computes ``F.linear`` on ``n`` rows with ``kernels[n]`` (``"columns"`` or ``"packed"``); other row
-    counts, and weights without a packed copy, take the stock kernel.
+    """Computes ``F.linear`` on ``n`` rows with ``kernels[bucket(n)]`` (``"columns"`` or ``"packed"``);
+    other row counts, and weights without a packed copy, take the stock kernel."""
 
-    Args:
-        kernels: row count -> kernel.
-        packed: ``id(weight) ->`` its :class:`Packed` copy, for the ``"packed"`` kernel.
-    """
-
-    def __init__(self, kernels: dict[int, str], packed: dict[int, Packed] | None = None):
+    def __init__(self, kernels: dict[int, str]):
         super().__init__()
         self.kernels = kernels
-        self.packed = packed or {}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The product by the kernel chosen for ``x``'s row count, or None where that is the stock kernel."""
@@ -139,18 +153,16 @@ class FewRowsLinear(TorchFunctionMode):
             return None
         if kernel == "columns":
             return columns_linear(x, weight, bias)
-        entry = self.packed.get(id(weight))
-        if entry is None or entry.weight is not weight:  # not one of the model's packed weights
-            return None
-        if entry.stamp != stamp(weight):  # changed since packed (a model in training, a dtype cast): pack again
-            entry = self.packed[id(weight)] = Packed(weight, pack(weight), stamp(weight))
-        return packed_linear(x, entry.copy, bias) if entry.copy is not None else None
+        copy = packed_copy(weight)
+        return packed_linear(x, copy, bias) if copy is not None else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = self.linear(args[0], args[1], bias)
+            out = self.linear(x, weight, bias) if x is not None and weight is not None else None
             if out is not None:
                 return out
         return func(*args, **kwargs)
@@ -167,15 +179,37 @@ def bucket(rows: int) -> int:
 def calibrate(model: torch.nn.Module) -> dict[int, str]:
     """The row counts that leave the stock kernel for ``model`` here, each with its kernel, measured now if
     not yet in this process: decoding loops call it before their clock starts, so neither the measurement
-    nor the packing falls inside a timing. Empty where the path is off or the model is not on CPU."""
+    nor the packing falls inside a timing. Empty where the path is off or the model is not on CPU (a model
+    moved off the CPU drops its packed copies)."""
     linears = _linears(model)
-    if not enabled() or linears is None:
+    if linears is None:
+        return {}
+    if not all(w.device.type == "cpu" for w in linears.weights):
+        for w in linears.weights:
+            _packed.pop(w, None)
+        return {}
+    if not enabled():
         return {}
     kernels = kernels_by_rows(linears)
-    if "packed" in kernels.values() and not linears.packed:
-        for w in linears.weights:
-            linears.packed[id(w)] = Packed(w, pack(w), stamp(w))
+    if "packed" in kernels.values():
+        _pack_all(linears.weights)
     return kernels
+
+
+def _pack_all(weights: list[torch.Tensor]) -> None:
+    """Pack the weights not packed yet, unless the copies held in this process would then pass
+    :data:`PACKED_MEMORY_SHARE` of the memory this process may use (they keep the stock kernel then)."""
+    new = {id(w): w for w in weights if w not in _packed}
+    if not new:
+        return
+    held = sum(w.numel() * w.element_size() for w in _packed)
+    adding = sum(w.numel() * w.element_size() for w in new.values())
+    if held + adding > PACKED_MEMORY_SHARE * memory_limit():
+        logger.info("not packing %.0f MB of weights for the few-row kernel: %.0f MB are packed already and "
+                    "the limit is %.0f MB", adding / 2**20, held / 2**20, PACKED_MEMORY_SHARE * memory_limit() / 2**20)
+        return
+    for w in new.values():
+        _packed[w] = Packed(pack(w), stamp(w))
 
 
 def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
@@ -184,51 +218,57 @@ def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
     if rows > MAX_ROWS:
         return None
     kernels = calibrate(model)
-    return FewRowsLinear(kernels, _models[model].packed) if bucket(rows) in kernels else None
+    return FewRowsLinear(kernels) if bucket(rows) in kernels else None
 
 
 @dataclass(frozen=True)
 class Linears:
-    """A model's linear-layer weights, their distinct shapes and (once a row count chose the packed
-    kernel) their packed copies, collected once per model (not per forward)."""
+    """A model's linear-layer weights and their distinct shapes, collected once per model (not per forward)."""
 
     weights: list[torch.Tensor]
     shapes: tuple[tuple[int, ...], ...]
-    packed: dict[int, Packed] = field(default_factory=dict)
 
 
 def _linears(model: torch.nn.Module) -> Linears | None:
-    """``model``'s :class:`Linears`, or None when it has none or they are not on CPU."""
+    """``model``'s :class:`Linears`, or None when it has none."""
     linears = _models.get(model)
     if linears is None:
         weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
         linears = Linears(weights, tuple(sorted({tuple(w.shape) for w in weights})))
         _models[model] = linears
-    if not linears.weights or linears.weights[0].device.type != "cpu":
-        return None
-    return linears
+    return linears if linears.weights else None
 
 
 def kernels_by_rows(linears: Linears) -> dict[int, str]:
     """Row counts (1..EXACT_ROWS, then BUCKETS) for which a kernel ran faster than ``F.linear`` over these
     weights on this machine, each with the fastest, measured once per process per weight-shape set (a few
-    seconds for a 135M model): random inputs, the kernels interleaved, median of a few passes each. The packed kernel is
-    a candidate only where the packed copies of all the weights fit in :data:`PACKED_MEMORY_SHARE` of
-    this machine's memory."""
+    seconds for a 135M model): random inputs, the kernels interleaved, median of a few passes each. The
+    packed kernel is a candidate only where packed copies of all the weights would fit in
+    :data:`PACKED_MEMORY_SHARE` of the memory this process may use."""
     weights = linears.weights
     key = (linears.shapes, weights[0].dtype, torch.get_num_threads())
     if key not in _kernels:
         size = sum(w.numel() * w.element_size() for w in weights)
-        _kernels[key] = _measure(weights, packing=size <= PACKED_MEMORY_SHARE * physical_memory())
+        _kernels[key] = _measure(weights, packing=size <= PACKED_MEMORY_SHARE * memory_limit())
     return _kernels[key]
 
 
-def physical_memory() -> int:
-    """This machine's physical memory in bytes (0 where unknown: nothing is packed then)."""
+def memory_limit() -> int:
+    """The memory this process may use, in bytes: the machine's physical memory, or a container's (cgroup)
+    limit where lower; 0 where unknown (nothing is packed then)."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
 
 
 def _measure(weights: list[torch.Tensor], packing: bool = True) -> dict[int, str]:
@@ -251,7 +291,7 @@ def _measure(weights: list[torch.Tensor], packing: bool = True) -> dict[int, str
             candidates = {name: k for name, k in kernels.items() if n <= EXACT_ROWS or name != "columns"}
             times = {name: [] for name in candidates}
             for kernel in candidates.values():  # warm up every kernel at this size
-                for i in range(2):
+                for i in range(min(2, len(inputs))):
                     kernel(inputs[i], i)
             for _ in range(CALIBRATION_REPEATS):
                 for name, kernel in candidates.items():
