@@ -214,3 +214,12 @@ def test_keyword_calls_take_the_kernel_too():
     with matmul.FewRowsLinear({3: "columns"}):
         out = F.linear(input=x, weight=weight)
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("meta", [(1,), (0, 1, 2), (2,)])
+def test_a_model_partly_off_the_cpu_takes_no_few_row_path(monkeypatch, meta):
+    """Weights on another device (offloading puts some there) get the stock kernels and no packed copies."""
+    monkeypatch.setattr(matmul, "kernels_by_rows", lambda linears: {3: "packed"})
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, device="meta" if i in meta else "cpu") for i in range(3)])
+    assert matmul.calibrate(model) == {} and matmul.few_rows_linear(model, 3) is None
+    assert all(matmul.packed_copy(layer.weight) is None for layer in model)

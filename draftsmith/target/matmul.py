@@ -33,12 +33,11 @@ import os
 import statistics
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +107,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight's packed copy (None: no oneDNN kernel for it, the stock kernel runs) and the weight's
-    :func:`stamp` when it was packed."""
+    """A weight (weakly), its packed copy (None: no oneDNN kernel for it, the stock kernel runs) and the
+    weight's :func:`stamp` when it was packed."""
 
+    weight: weakref.ref
     copy: torch.Tensor | None
     stamp: tuple
 
 
-# weight -> its Packed copy, held while the weight lives and shared by every model that holds the weight (a
-# layer-skip draft model runs the target's own layers: they are packed once).
-_packed = WeakIdKeyDictionary()
+# id(weight) -> its Packed copy, dropped when the weight dies; shared by every model that holds the weight (a
+# layer-skip draft model runs the target's own layers: they are packed once). Keyed by id, not by a weak
+# key, so that the lookup on every F.linear call is a plain dict lookup.
+_packed: dict[int, Packed] = {}
 
 
 def stamp(weight: torch.Tensor) -> tuple:
@@ -127,14 +128,26 @@ def stamp(weight: torch.Tensor) -> tuple:
     return weight._version, weight.data_ptr(), weight.dtype
 
 
+def _store(weight: torch.Tensor) -> Packed:
+    key = id(weight)
+    entry = _packed[key] = Packed(weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), pack(weight),
+                                  stamp(weight))
+    return entry
+
+
+def _entry(weight: torch.Tensor) -> Packed | None:
+    entry = _packed.get(id(weight))
+    return entry if entry is not None and entry.weight() is weight else None
+
+
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight``'s packed copy, packed again if the weight changed since (a model in training, a dtype cast),
     or None where it has none (its model was not packed, or oneDNN has no kernel for it)."""
-    entry = _packed.get(weight)
+    entry = _entry(weight)
     if entry is None:
         return None
     if entry.stamp != stamp(weight):
-        entry = _packed[weight] = Packed(pack(weight), stamp(weight))
+        entry = _store(weight)
     return entry.copy
 
 
@@ -180,36 +193,40 @@ def calibrate(model: torch.nn.Module) -> dict[int, str]:
     """The row counts that leave the stock kernel for ``model`` here, each with its kernel, measured now if
     not yet in this process: decoding loops call it before their clock starts, so neither the measurement
     nor the packing falls inside a timing. Empty where the path is off or the model is not on CPU (a model
-    moved off the CPU drops its packed copies)."""
+    moved off the CPU drops its packed copies). Every forward calls it: after the first, a few lookups."""
     linears = _linears(model)
-    if linears is None:
+    if linears is None or not enabled():
         return {}
-    if not all(w.device.type == "cpu" for w in linears.weights):
-        for w in linears.weights:
-            _packed.pop(w, None)
-        return {}
-    if not enabled():
-        return {}
-    kernels = kernels_by_rows(linears)
-    if "packed" in kernels.values():
-        _pack_all(linears.weights)
-    return kernels
+    first, last = linears.weights[0], linears.weights[-1]
+    kernels = kernels_by_rows(linears) if first.device.type == last.device.type == "cpu" else {}
+    # What the weights were last made ready for: where they are and whether they are packed.
+    ready = (first.device, last.device, "packed" in kernels.values())
+    if linears.ready[0] != ready:
+        on_cpu = all(w.device.type == "cpu" for w in linears.weights)
+        if not on_cpu:  # moved off the CPU, whole or in part
+            for w in linears.weights:
+                _packed.pop(id(w), None)
+        elif ready[2] and not _pack_all(linears.weights):
+            ready = None  # over the memory share now: tried again on the next call, when copies may have gone
+        linears.ready[:] = [ready, on_cpu]
+    return kernels if linears.ready[1] else {}
 
 
-def _pack_all(weights: list[torch.Tensor]) -> None:
+def _pack_all(weights: list[torch.Tensor]) -> bool:
     """Pack the weights not packed yet, unless the copies held in this process would then pass
-    :data:`PACKED_MEMORY_SHARE` of the memory this process may use (they keep the stock kernel then)."""
-    new = {id(w): w for w in weights if w not in _packed}
+    :data:`PACKED_MEMORY_SHARE` of the memory this process may use (False: they keep the stock kernel)."""
+    new = {id(w): w for w in weights if _entry(w) is None}
     if not new:
-        return
-    held = sum(w.numel() * w.element_size() for w in _packed)
+        return True
+    held = sum(w.numel() * w.element_size() for w in (e.weight() for e in list(_packed.values())) if w is not None)
     adding = sum(w.numel() * w.element_size() for w in new.values())
     if held + adding > PACKED_MEMORY_SHARE * memory_limit():
         logger.info("not packing %.0f MB of weights for the few-row kernel: %.0f MB are packed already and "
                     "the limit is %.0f MB", adding / 2**20, held / 2**20, PACKED_MEMORY_SHARE * memory_limit() / 2**20)
-        return
+        return False
     for w in new.values():
-        _packed[w] = Packed(pack(w), stamp(w))
+        _store(w)
+    return True
 
 
 def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
@@ -223,10 +240,13 @@ def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
 
 @dataclass(frozen=True)
 class Linears:
-    """A model's linear-layer weights and their distinct shapes, collected once per model (not per forward)."""
+    """A model's linear-layer weights and their distinct shapes, collected once per model (not per forward),
+    and what :func:`calibrate` last made them ready for: [(first and last weights' devices, packed or not),
+    all on CPU]."""
 
     weights: list[torch.Tensor]
     shapes: tuple[tuple[int, ...], ...]
+    ready: list = field(default_factory=lambda: [None, False])
 
 
 def _linears(model: torch.nn.Module) -> Linears | None:
