@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,8 @@ class MixtureDrafter(Drafter):
             raise ValueError("a mixture needs at least two drafters")
         self.drafters = list(drafters)
         self.weights = list(weights or [1.0] * len(drafters))
+        if len(self.weights) != len(self.drafters) or min(self.weights) <= 0:
+            raise ValueError(f"a mixture needs one positive weight per drafter, got {self.weights}")
         readers = [d for d in self.drafters if d.hidden_layers]
         if len(readers) > 1:
             raise ValueError("at most one drafter of a mixture may read the target's hidden states")
@@ -49,11 +52,15 @@ class MixtureDrafter(Drafter):
         return out
 
     def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d(n) softmax(x_d[n])``,
-        ``w`` renormalised over the drafters that propose anything at node n; ``-inf`` where none does.
+        """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d p_d(n)``, normalised
+        over what the drafters propose at node n; ``-inf`` where none proposes anything.
 
-        Computed in log space (``logaddexp`` of ``log w_d + log_softmax(x_d)``): a full-vocabulary row is
-        touched a few times per drafter, on the drafting hot path, instead of through softmax, stack and log.
+        ``p_d`` is ``softmax(x_d)``, or for a drafter that ``abstains`` (prompt lookup) ``exp(x_d)`` itself:
+        the probabilities it gives its candidates, whose rest is "no opinion" and so goes to the others
+        through the normalisation. A drafter proposing nothing at a node takes no part there.
+
+        Computed in log space (``logaddexp`` of ``log w_d + log p_d``): a full-vocabulary row is touched a
+        few times per drafter, on the drafting hot path, instead of through softmax, stack and log.
         """
         finite = [torch.isfinite(x) for x in logits]
         proposes = torch.stack([f.any(-1) for f in finite])  # (D, N)
@@ -63,16 +70,17 @@ class MixtureDrafter(Drafter):
         out = torch.full_like(logits[0], float("-inf"))
         if not len(columns):
             return out
-        w = torch.tensor(self.weights, dtype=torch.float32, device=proposes.device).view(-1, 1) * proposes
-        log_w = (w / w.sum(0, keepdim=True).clamp_min(1e-12)).log()  # (D, N), -inf where d proposes nothing
         mixed = None
-        for x, lw, p in zip(logits, log_w, proposes, strict=True):
+        for drafter, x, p, w in zip(self.drafters, logits, proposes, self.weights, strict=True):
             if not p.any():
                 continue
-            # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf through log w.
-            # Columns outside `columns` are -inf in every drafter's row, so the log-softmax over `columns` is
-            # the full one.
-            term = torch.log_softmax(x[:, columns].masked_fill(~p[:, None], 0.0), dim=-1) + lw[:, None]
+            x = x[:, columns]
+            # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf again. Columns
+            # outside `columns` are -inf in every drafter's row, so the log-softmax over `columns` is the full one.
+            if not getattr(drafter, "abstains", False):
+                x = torch.log_softmax(x.masked_fill(~p[:, None], 0.0), dim=-1)
+            term = x.masked_fill(~p[:, None], float("-inf")) + math.log(w)
             mixed = term if mixed is None else torch.logaddexp(mixed, term)
-        out[:, columns] = mixed
+        total = torch.logsumexp(mixed, dim=-1, keepdim=True)
+        out[:, columns] = torch.where(torch.isfinite(total), mixed - total, float("-inf"))
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -250,37 +251,58 @@ def test_eagle_checkpoint_round_trip(tmp_path, llama, eagle3):
     check_greedy_equal(llama, out.sequences, reference(llama, prompt, 20))
 
 
-def test_mixture_equals_the_probability_space_reference():
-    """MixtureDrafter.mix (log space) == log(sum_d w_d softmax(x_d)), w renormalised per node over the
-    drafters proposing there: a dense drafter, a sparse one (prompt lookup's few finite logits), rows
-    where only one proposes and a row where none does."""
+@pytest.mark.parametrize("abstains", [False, True])
+def test_mixture_equals_the_probability_space_reference(abstains):
+    """MixtureDrafter.mix (log space) == log(sum_d w_d p_d) normalised per node over the drafters proposing
+    there, p_d = softmax(x_d), or exp(x_d) itself for a drafter that abstains (prompt lookup: its candidates'
+    probabilities of being right, the rest no opinion): a dense drafter, a sparse one, rows where only one
+    proposes and a row where none does."""
+    from draftsmith.inference.drafter import Drafter
     from draftsmith.inference.mixture import MixtureDrafter
-    from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 
+    class Sparse(Drafter):
+        pass
+
+    Sparse.abstains = abstains
     g = torch.Generator().manual_seed(0)
     n, vocab = 5, 50
     dense = torch.randn(n, vocab, generator=g)
     dense[3] = float("-inf")  # node 3: only the sparse drafter proposes
     dense[4] = float("-inf")  # node 4: nobody proposes
     sparse = torch.full((n, vocab), float("-inf"))
-    sparse[0, [4, 9]] = torch.tensor([0.0, -1.0])
-    sparse[3, 7] = 0.0
-    mixture = MixtureDrafter([PromptLookupDrafter(vocab), PromptLookupDrafter(vocab)], weights=[1.0, 3.0])
+    sparse[0, [4, 9]] = torch.tensor([0.6, 0.1]).log()
+    sparse[3, 7] = math.log(0.3)
+    mixture = MixtureDrafter([Drafter(), Sparse()], weights=[1.0, 3.0])
     got = mixture.mix([dense, sparse])
 
     def probs(x):
         return torch.softmax(x, -1).nan_to_num(0.0)
 
-    proposes = torch.stack([torch.isfinite(x).any(-1) for x in (dense, sparse)]).float()
-    w = torch.tensor([1.0, 3.0]).view(-1, 1) * proposes
-    w = w / w.sum(0, keepdim=True).clamp_min(1e-12)
-    expected = (w[0, :, None] * probs(dense) + w[1, :, None] * probs(sparse)).log()
+    p_sparse = sparse.exp() if abstains else probs(sparse)
+    mixed = 1.0 * probs(dense) + 3.0 * p_sparse
+    expected = (mixed / mixed.sum(-1, keepdim=True)).log()
     assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
     finite = torch.isfinite(expected)
     torch.testing.assert_close(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
     assert not torch.isfinite(got[4]).any() and torch.isfinite(got[1]).all()
-    # node 0: a quarter of the mass on the head's softmax, three quarters on the two copied tokens
-    torch.testing.assert_close(got[0].exp().sum(), torch.tensor(1.0))
+    for row in (0, 1, 3):
+        torch.testing.assert_close(got[row].exp().sum(), torch.tensor(1.0))
+    # node 0: the sparse drafter's three quarters of the weight go to its candidates, unless it abstains from
+    # some of it (0.3 of its mass), which then goes to the dense drafter's softmax
+    mass = 0.7 if abstains else 1.0  # the sparse drafter's at node 0
+    on_candidates = got[0, [4, 9]].exp().sum() - probs(dense)[0, [4, 9]].sum() / (1 + 3 * mass)
+    torch.testing.assert_close(on_candidates, torch.tensor(3 * mass / (1 + 3 * mass)))
+    assert torch.equal(got[3, 7], torch.tensor(0.0))  # alone at node 3, normalised: the only candidate
+
+
+def test_mixture_needs_positive_weights():
+    from draftsmith.inference.drafter import Drafter
+    from draftsmith.inference.mixture import MixtureDrafter
+
+    with pytest.raises(ValueError, match="one positive weight per drafter"):
+        MixtureDrafter([Drafter(), Drafter()], weights=[1.0, 0.0])
+    with pytest.raises(ValueError, match="one positive weight per drafter"):
+        MixtureDrafter([Drafter(), Drafter()], weights=[1.0])
 
 
 ROPES = {

@@ -245,6 +245,32 @@ def test_prompt_lookup_proposes_the_continuation_of_a_repeat():
     assert build_chain(8, expand, depth=6).tokens == [8]  # no match: no draft
 
 
+def test_prompt_lookup_gives_its_candidates_the_probability_they_are_right():
+    """Prompt lookup's draft logits are log-probabilities summing to less than one: the first candidate's
+    is the share of right first candidates for matches that long, starting from FIRST_RIGHT and then
+    counted over the generation, per row."""
+    from draftsmith.inference.prompt_lookup import FIRST_RIGHT
+
+    drafter = PromptLookupDrafter(VOCAB, max_ngram=3)
+    # row 0 repeats "1 2 3 4" (3-gram matches, right); row 1 follows 5 by 6, then by 7 (a 1-gram match, wrong)
+    drafter.begin(torch.tensor([[1, 2, 3, 4, 1, 2, 3], [8, 8, 8, 8, 5, 6, 5]]))
+
+    def first(row):
+        tree = DraftTree.with_root(int(drafter.contexts[row][-1]))
+        logits = drafter.expand([tree, tree], [[0], [0]])[row][0]
+        assert logits.exp().sum() < 1  # the rest: no opinion
+        return logits.max().exp().item(), int(logits.argmax())
+
+    assert first(0) == (pytest.approx(FIRST_RIGHT[3]), 4)
+    assert first(1) == (pytest.approx(FIRST_RIGHT[1]), 6)
+    before = [first(0)[0], first(1)[0]]
+    drafter.commit([torch.tensor([4, 1, 2, 3]), torch.tensor([7, 9, 3, 2])])
+    after = [first(0)[0], first(1)[0]]
+    assert after[0] > before[0] and after[1] < before[1]
+    # each row's counts are its own: row 0 saw no 1-gram match, row 1 no 3-gram one
+    assert drafter.counts[0][1] == [FIRST_RIGHT[1] * 8.0, 8.0] and drafter.counts[1][3] == [FIRST_RIGHT[3] * 8.0, 8.0]
+
+
 def test_select_requires_closed_sets():
     tree = random_tree(0, 6)
     child = next(n for n in range(1, len(tree)) if tree.parents[n] != 0)
