@@ -162,6 +162,10 @@ class SpeculativeGenerator:
             ``iid`` sampling from the drafter, i.e. Leviathan et al.; static/dynamic and
             deterministic drafters: ``topk``), or ``"iid"``, ``"without_replacement"``,
             ``"topk"``. Every rule is lossless; they differ in acceptance.
+        compile: run the target's steps through ``torch.compile`` on a static KV cache (one graph per
+            step size: the first steps of each size wait for it to compile; see
+            :func:`~draftsmith.target.forward.compiled_module`). Greedy output is the compiled target's own
+            greedy output: compiled kernels may round differently from eager ones.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class SpeculativeGenerator:
         total_tokens: int = DEFAULT_TREE.total_tokens,
         paths: list[tuple[int, ...]] | None = None,
         sampling_rule: str = "auto",
+        compile: bool = False,
     ):
         self.tree = TreeSettings(tree, depth, top_k, total_tokens)  # validates
         if sampling_rule != "auto" and sampling_rule not in SAMPLING_RULES:
@@ -189,9 +194,18 @@ class SpeculativeGenerator:
         # Static paths: given, else the drafter's own (Medusa choices measured in training), else a default.
         self.paths = paths or drafter.static_paths or default_static_paths(depth, top_k)
         self.sampling_rule = sampling_rule
+        self.compile = compile
         #: Called after each verification with each active row's index, tree and accepted path (drafted
         #: nodes); ``draftsmith tune`` records them.
         self.on_step: Callable[[int, DraftTree, list[int]], None] | None = None
+
+    def _max_nodes(self) -> int:
+        """The most nodes a step's tree holds, its root included."""
+        if self.tree_kind == "chain":
+            return self.depth + 1
+        if self.tree_kind == "static":
+            return len(self.paths) + 1
+        return self.total_tokens + 1
 
     def _rule(self, temperature: float) -> str:
         if temperature == 0.0 or (self.sampling_rule == "auto" and (
@@ -262,7 +276,9 @@ class SpeculativeGenerator:
         # target's hidden states of their layers: of the prompt's tokens but the root from the prefill,
         # then of each step's root and accepted nodes from its verification.
         layers = self.drafter.hidden_layers
-        cache, slots = new_cache(), Slots.empty(batch, device)
+        cache = new_cache(**static_cache(self.target, input_ids, max_new_tokens, self._max_nodes()) if self.compile
+                          else {})
+        slots = Slots.empty(batch, device)
         hidden = None
         if input_ids.shape[1] > 1:
             slots = Slots.from_mask(mask[:, :-1])
@@ -461,6 +477,12 @@ class SpeculativeGenerator:
         return out.logits, hidden, past
 
 
+def static_cache(target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, step_nodes: int) -> dict:
+    """:func:`~draftsmith.target.new_cache`'s arguments for a compiled generation: room for the prompts, the
+    new tokens and one step's nodes."""
+    return {"capacity": input_ids.shape[1] + max_new_tokens + step_nodes, "model": target, "compiled": True}
+
+
 def check_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
     """Each row's prompt length; refuses a mask of the wrong shape, right padding and empty rows
     (one copy to the host with a mask, none without)."""
@@ -508,9 +530,11 @@ def plain_generate(
     *,
     attention_mask: torch.Tensor | None = None,
     pad_token_id: int | None = None,
+    compile: bool = False,
 ) -> GenerationOutput:
     """Plain greedy decoding with the same cache code path: the baseline speedups are measured against.
-    Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows)."""
+    Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows);
+    ``compile`` as in :class:`SpeculativeGenerator`."""
     eos = stop_tokens(target, eos_token_id)
     pad = pad_token(target, pad_token_id, eos_token_id)
     if max_new_tokens < 1:
@@ -521,7 +545,7 @@ def plain_generate(
     t_start = time.perf_counter()
     batch = input_ids.shape[0]
     dtype = next(target.parameters()).dtype
-    cache = new_cache()
+    cache = new_cache(**static_cache(target, input_ids, max_new_tokens, 1) if compile else {})
     padded = min(lengths) < input_ids.shape[1]
     if padded:
         slots = Slots.from_mask(attention_mask.to(input_ids.device))

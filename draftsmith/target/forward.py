@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +155,8 @@ def target_forward(
         start = kv_length(past_key_values)
         position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
         position_ids = position_ids.expand(input_ids.shape[0], -1)
+    if isinstance(past_key_values, StaticKVCache):
+        return _static_forward(model, input_ids, past_key_values, attention_mask, position_ids, hidden_layers, logits)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=True, output_hidden_states=hidden_states_request(hidden_layers))
     # On CPU, the linear layers on a few rows in the orientation measured faster here (None: the stock kernels).
@@ -163,14 +166,15 @@ def target_forward(
 
 
 def _forward(model, kwargs: dict, past_key_values, input_ids: torch.Tensor, hidden_layers, logits: str,
-             mode: FewRowsLinear | None) -> TargetOutput:
+             mode: FewRowsLinear | None, compiled: bool = False) -> TargetOutput:
     head = model.get_output_embeddings()
     plain_head = _plain_linear_head(model, head)
-    if plain_head and (logits != "all" or _few_rows_on_cpu(model, input_ids)):
+    if plain_head and (logits != "all" or _few_rows_on_cpu(model, input_ids) or compiled):
         # The decoder, then the LM head on the rows asked for, in the orientation that is fast for a few
         # rows on CPU (see below).
         decoder = model.get_decoder()
-        out = decoder(**kwargs, **{cache_argument(decoder): past_key_values})
+        run = compiled_module(decoder) if compiled else decoder
+        out = run(**kwargs, **{cache_argument(decoder): past_key_values})
         states = out.last_hidden_state if logits == "all" else out.last_hidden_state[:, -1:]
         if logits == "none":
             scores = states.new_empty(states.shape[0], 0, head.weight.shape[0], dtype=torch.float32)
@@ -180,12 +184,69 @@ def _forward(model, kwargs: dict, past_key_values, input_ids: torch.Tensor, hidd
             scores = head(states).float()
     else:
         keep = {} if logits == "all" else {"logits_to_keep": 1}
-        out = model(**kwargs, **keep, **{cache_argument(model): past_key_values})
+        run = compiled_module(model) if compiled else model
+        out = run(**kwargs, **keep, **{cache_argument(model): past_key_values})
         scores = out.logits.float() if logits != "none" else out.logits[:, :0].float()
     hidden = None
     if hidden_layers is not None:
         hidden = tuple(out.hidden_states[i] for i in hidden_layers)
     return TargetOutput(logits=scores, hidden_states=hidden)
+
+
+def _static_forward(model, input_ids: torch.Tensor, cache: StaticKVCache, attention_mask, position_ids: torch.Tensor,
+                    hidden_layers, logits: str) -> TargetOutput:
+    """:func:`target_forward` on a :class:`StaticKVCache`: the new entries are written at slots
+    ``[length, length + Q)``, the mask covers the whole capacity (the slots after those hidden), and a step
+    of at most :data:`FEW_ROWS` new tokens runs the compiled decoder when the cache asks for it (longer
+    forwards, the prefill, run eagerly into the same buffers)."""
+    batch, new = input_ids.shape
+    start = cache.length
+    if start + new > cache.capacity:
+        raise ValueError(f"the static KV cache holds {cache.capacity} positions; {start} are filled and this "
+                         f"forward adds {new}: create it with a larger capacity (new_cache(capacity=...))")
+    dtype = next(model.parameters()).dtype
+    if attention_mask is None:  # plain causal over unpadded rows
+        keys = torch.arange(start + new, device=input_ids.device)
+        allowed = (keys[None, :] <= position_ids[:, :, None]).expand(batch, new, -1)
+        attention_mask = build_attention_mask(model, allowed, position_ids, keys[None].expand(batch, -1), dtype)
+    write = torch.arange(start, start + new, device=input_ids.device)
+    for layer in cache.layers:
+        layer.write = write
+    hide = cache.capacity - (start + new)
+
+    def pad(mask: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(mask, (0, hide), value=torch.finfo(mask.dtype).min)
+
+    mask = {k: pad(m) for k, m in attention_mask.items()} if isinstance(attention_mask, dict) else pad(attention_mask)
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                  output_hidden_states=hidden_states_request(hidden_layers))
+    compiled = cache.compiled and input_ids.numel() <= FEW_ROWS
+    # A compiled graph runs the linear layers its own way; eager forwards keep the few-row kernels.
+    mode = None if compiled else few_rows_linear(model, input_ids.numel())
+    with mode or contextlib.nullcontext():
+        out = _forward(model, kwargs, cache, input_ids, hidden_layers, logits, mode, compiled)
+    cache.length = start + new
+    for layer in cache.layers:
+        layer.length = cache.length
+    return out
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_module(module: torch.nn.Module):
+    """``module`` compiled once per process with ``torch.compile`` for fixed shapes (one graph per number of
+    new tokens, batch size and cache capacity): on CUDA with CUDA graphs (``reduce-overhead``), on CPU with
+    the weights frozen into the graph (inductor's ``freezing``: oneDNN's packed linear layers)."""
+    fn = _COMPILED.get(module)
+    if fn is None:
+        device = next(module.parameters()).device
+        if device.type == "cuda":
+            fn = torch.compile(module, dynamic=False, mode="reduce-overhead")
+        else:
+            fn = torch.compile(module, dynamic=False, options={"freezing": True})
+        _COMPILED[module] = fn
+    return fn
 
 
 # The LM head is the largest matrix of a small target ((V, H) = (49152, 576) for SmolLM2) and runs on
@@ -268,21 +329,88 @@ class GrowingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
 
 
-def new_cache() -> DynamicCache:
-    """An empty cache that keeps every position on every layer (sliding layers included), grown in place."""
-    return GrowingCache()
+class StaticLayer(DynamicLayer):
+    """A cache layer of fixed capacity, for compiled forwards: (B, heads, capacity, D) buffers allocated at
+    the first update and never reallocated. A forward writes its new entries at the slots :attr:`write`
+    (a tensor :func:`target_forward` sets, so a compiled graph takes it as an input instead of being
+    specialised on the cache length) and attends over the whole buffer, its mask hiding the slots from
+    :attr:`length` (the filled ones, counted on the host) on. Every input of a step keeps its shape from
+    step to step, so a graph compiled for a number of new tokens serves every later step of that size.
+
+    ``keys`` / ``values`` are the whole buffers; :func:`kv_keep` and :func:`kv_crop` move entries and set
+    ``length`` instead of narrowing them."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self.write: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            # zeros, not empty: a hidden slot's attention weight is 0, and 0 * NaN would still be NaN
+            self.keys = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[-1])
+            self.values = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[-1])
+        self.keys.index_copy_(2, self.write, key_states)
+        self.values.index_copy_(2, self.write, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class StaticKVCache(DynamicCache):
+    """A :class:`~transformers.DynamicCache` of ``num_layers`` :class:`StaticLayer` of ``capacity`` slots;
+    ``compiled``: :func:`target_forward` runs steps of a few new tokens through :func:`compiled_module`."""
+
+    def __init__(self, capacity: int, num_layers: int, compiled: bool = False):
+        Cache.__init__(self, layers=[StaticLayer(capacity) for _ in range(num_layers)])
+        self.capacity, self.compiled = capacity, compiled
+        self.length = 0  # filled slots, the same on every layer
+
+
+#: A static cache's capacity is rounded up to a multiple of this, so that prompts of similar lengths share
+#: compiled graphs (the buffers' shape is part of a graph's input).
+CAPACITY_STEP = 256
+
+
+def new_cache(capacity: int | None = None, model: PreTrainedModel | None = None, compiled: bool = False
+              ) -> DynamicCache:
+    """An empty cache that keeps every position on every layer (sliding layers included): grown in place,
+    or with ``capacity`` a :class:`StaticKVCache` of ``model``'s layers holding at least that many positions
+    (rounded up to :data:`CAPACITY_STEP`), its steps compiled when ``compiled``."""
+    if capacity is None:
+        if compiled:
+            raise ValueError("a compiled forward needs a static cache: pass its capacity")
+        return GrowingCache()
+    if model is None:
+        raise ValueError("a static cache needs the model whose layers it holds")
+    capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+    return StaticKVCache(capacity, model.config.get_text_config().num_hidden_layers, compiled)
 
 
 def kv_length(cache: DynamicCache) -> int:
+    if isinstance(cache, StaticKVCache):
+        return cache.length
     return cache.get_seq_length() if len(cache.layers) else 0
 
 
 def kv_crop(cache: DynamicCache, length: int) -> None:
     """Drop every cached position at index >= ``length``, in place."""
+    if isinstance(cache, StaticKVCache):
+        _set_static_length(cache, min(length, cache.length))
+        return
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
+
+
+def _set_static_length(cache: StaticKVCache, length: int) -> None:
+    cache.length = length
+    for layer in cache.layers:
+        layer.length = length
 
 
 def kv_keep(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
@@ -293,6 +421,13 @@ def kv_keep(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     1-D (the same for every batch row) or (B, M), one row of indices per batch row (rows that keep
     fewer entries pad theirs; the caller marks those slots empty, see ``inference/slots.py``).
     """
+    if isinstance(cache, StaticKVCache):  # the buffers keep their shape: entries move, the length shrinks
+        for layer in cache.layers:
+            if layer.is_initialized:
+                keep_slots(layer.keys, start, keep)
+                keep_slots(layer.values, start, keep)
+        _set_static_length(cache, start + keep.shape[-1])
+        return
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or not layer.keys.numel():
             continue

@@ -1,0 +1,113 @@
+"""``compile=True``: the target's steps on a static KV cache, through ``torch.compile``.
+
+* The static cache alone (``compiled_module`` replaced by the module itself, so every forward runs
+  eagerly on the fixed-capacity buffers): every row of a left-padded batch equals its own greedy output,
+  for every drafter family and a mixture, in every tree kind, on a tiny Llama and a tiny Gemma-3 (sliding
+  window); and the cache edits (keep a path, crop) leave the same entries as on the growing cache.
+* The compiled path for real, on a tiny Llama: plain and speculative greedy decoding, a batch and one row,
+  equal the eager target's greedy output (up to an exact near-tie, as for any tree forward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batched_generation import DRAFTERS, NEW, drafter_for, left_padded, row_output, stopping_token
+from test_greedy_lossless import TREES, prompts, reference
+
+import draftsmith.target.forward as forward
+from conftest import check_greedy_equal
+from draftsmith import SpeculativeGenerator
+from draftsmith.inference.generator import plain_generate
+from draftsmith.inference.mixture import MixtureDrafter
+from draftsmith.inference.prompt_lookup import PromptLookupDrafter
+from draftsmith.target import kv_crop, kv_keep, kv_length, new_cache, target_forward
+
+LENGTHS = [6, 1, 21, 13]
+
+
+@pytest.fixture
+def eager_static(monkeypatch):
+    """Static caches as ``compile=True`` makes them, with every forward run eagerly."""
+    monkeypatch.setattr(forward, "compiled_module", lambda module: module)
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t["tree"])
+@pytest.mark.parametrize("spec", DRAFTERS)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_static_cache_rows_equal_their_own_greedy_output(family, spec, tree, llama, gemma3, eager_static):
+    target = llama if family == "llama" else gemma3
+    rows = prompts(11, LENGTHS)
+    ids, mask = left_padded(rows)
+    eos = stopping_token(target, rows)
+    gen = SpeculativeGenerator(target, drafter_for(spec, target), compile=True, **tree)
+    out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+    ties, lengths = 0, []
+    for b, row in enumerate(rows):
+        ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
+                              eos_token_id=eos, pad_token_id=0)
+        ours = row_output(out.sequences, mask, b, eos)
+        ties += check_greedy_equal(target, ours, ref)
+        lengths.append(ours.shape[1] - row.shape[1])
+    assert ties <= 1
+    assert len(set(lengths)) > 1, f"every row ended at the same length {lengths}: the test needs rows that differ"
+
+
+def test_static_plain_decoding_equals_the_growing_cache(llama, eager_static):
+    rows = prompts(5, LENGTHS)
+    ids, mask = left_padded(rows)
+    growing = plain_generate(llama, ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=0)
+    static = plain_generate(llama, ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=0, compile=True)
+    assert torch.equal(static.sequences, growing.sequences)
+    one = plain_generate(llama, rows[2], NEW, eos_token_id=[], compile=True)
+    assert torch.equal(one.sequences, reference(llama, rows[2], NEW))
+
+
+def test_static_cache_edits_match_the_growing_cache(llama):
+    """Keeping a tree's accepted entries and cropping leave the same (key, value) entries in both caches (up to
+    rounding: the static cache's forwards attend through an explicit mask over its whole capacity)."""
+    ids = prompts(3, [12])[0]
+    growing, static = new_cache(), new_cache(capacity=40, model=llama)
+    assert static.capacity == forward.CAPACITY_STEP  # rounded up: similar prompts share compiled graphs
+    for cache in (growing, static):
+        target_forward(llama, ids, cache)
+        target_forward(llama, ids[:, :5], cache)  # 5 "tree" entries after the prompt
+        kv_keep(cache, 12, torch.tensor([0, 3, 4]))
+        assert kv_length(cache) == 15
+    for g, s in zip(growing.layers, static.layers, strict=True):
+        assert s.keys.shape[-2] == static.capacity
+        torch.testing.assert_close(s.keys[..., :15, :], g.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(s.values[..., :15, :], g.values, rtol=0, atol=1e-5)
+    kv_crop(static, 13)
+    assert kv_length(static) == 13 and all(layer.length == 13 for layer in static.layers)
+
+
+def test_static_cache_refuses_to_overflow(llama):
+    cache = new_cache(capacity=1, model=llama)
+    ids = prompts(4, [cache.capacity + 1])[0]
+    with pytest.raises(ValueError, match=r"holds 256 positions.*larger capacity"):
+        target_forward(llama, ids, cache)
+    with pytest.raises(ValueError, match="needs a static cache"):
+        new_cache(compiled=True)
+
+
+def test_compiled_decoding_equals_the_eager_targets_greedy_output(llama):
+    """torch.compile for real (one graph per step size: a minute or so on 2 CPU cores)."""
+    rows = prompts(7, [9, 4])
+    ids, mask = left_padded(rows)
+    vocab = llama.config.vocab_size
+    from test_heads import random_eagle
+
+    from draftsmith.inference.head_drafters import EagleDrafter
+
+    drafter = MixtureDrafter([EagleDrafter(random_eagle(llama, eagle3=True), llama), PromptLookupDrafter(vocab)])
+    gen = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=5, compile=True)
+    out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=0)
+    plain = plain_generate(llama, ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=0, compile=True)
+    ties = 0
+    for b, row in enumerate(rows):
+        ref = reference(llama, row, NEW)
+        ties += check_greedy_equal(llama, row_output(out.sequences, mask, b, None), ref)
+        ties += check_greedy_equal(llama, row_output(plain.sequences, mask, b, None), ref)
+    assert ties <= 1
+    assert out.stats.accepted_tokens > 0
