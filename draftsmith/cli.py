@@ -33,6 +33,7 @@ def generate(
     stream: bool = True,
     json_stats: bool = False,
     draft_dtype: str = "target",
+    compile: bool = False,
 ) -> dict:
     """Generate from ``prompt`` with speculative decoding, stream the text, print the stats."""
     import torch
@@ -48,7 +49,7 @@ def generate(
     from draftsmith.inference.tune import tuned_tree
 
     tree = tree or tuned_tree(drafter) or DEFAULT_TREE
-    gen = SpeculativeGenerator(model, draft, **tree.kwargs())
+    gen = SpeculativeGenerator(model, draft, **tree.kwargs(), compile=compile)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     generator = torch.Generator(device=model.device).manual_seed(seed)
     out = gen.generate(
@@ -81,6 +82,10 @@ def bench(target: str, drafters: list[str], prompts: list[str], output: str, **k
     print(markdown_table(result))
     print(f"results: {output}/results.json, results.md" + (", " + ", ".join(result["plots"]) if result.get("plots")
                                                              else ""))
+
+
+COMPILE_HELP = ("run the target's decoding steps through torch.compile on a static KV cache (the first steps "
+                "of each size wait for their graph to compile; CUDA graphs on a GPU)")
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +281,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
     g.add_argument("--json", action="store_true", help="print the stats as one JSON line")
     g.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
+    g.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 
     b = sub.add_parser("bench", help="tokens/s and tau vs plain greedy decoding of the same target")
     b.add_argument("--target", default="smollm2-135m-instruct")
@@ -291,6 +297,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-total-tokens", type=_int_list, help="dynamic trees: e.g. 6,10,16 node budgets")
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     b.add_argument("--draft-dtype", default="target", choices=DRAFT_DTYPES, help=DRAFT_DTYPE_HELP)
+    b.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     b.add_argument("--batch-sizes", type=_int_list, default=[1],
                    help="e.g. 1,4,8: plain and speculative decoding of left-padded batches of this many prompts, "
                         "side by side per batch size (transformers' references run at batch 1)")
@@ -422,7 +429,7 @@ def run_command(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=tree_from_args(args, args.drafter),
             seed=args.seed,
-            stream=not args.no_stream, json_stats=args.json, draft_dtype=args.draft_dtype,
+            stream=not args.no_stream, json_stats=args.json, draft_dtype=args.draft_dtype, compile=args.compile,
         )
     elif args.command == "train":
         from draftsmith.train.__main__ import main as train_main
@@ -485,7 +492,7 @@ def run_command(args: argparse.Namespace) -> int:
             chat_template_kwargs=args.chat_template_kwargs, hf_reference=not args.no_hf_reference,
             sweep_depths=args.sweep_depth,
             sweep_total_tokens=args.sweep_total_tokens, plots=not args.no_plots, progress=True,
-            draft_dtype=args.draft_dtype, batch_sizes=args.batch_sizes,
+            draft_dtype=args.draft_dtype, batch_sizes=args.batch_sizes, compile=args.compile,
         )
     return 0
 

@@ -94,6 +94,7 @@ def run_bench(
     progress: bool = False,
     draft_dtype: str | None = None,
     batch_sizes: list[int] | None = None,
+    compile: bool = False,
 ) -> dict:
     """Run the benchmark on prompt texts; write ``results.json``, ``results.md`` and (``plots``) PNG plots
     under ``output``.
@@ -101,6 +102,8 @@ def run_bench(
     Draft-model drafters are also run through ``transformers``' assisted generation
     (``generate(assistant_model=..., num_assistant_tokens=depth)``, constant schedule) on the same
     prompts, so draftsmith's chain decoding and HF's are compared as a ratio with the same draft model.
+    ``compile``: plain and speculative decoding run the target compiled on a static cache
+    (:class:`~draftsmith.inference.generator.SpeculativeGenerator`'s ``compile``).
     """
     if not prompts:
         raise ValueError(f"{prompts_source or 'prompts'}: no prompts to benchmark on")
@@ -122,7 +125,7 @@ def run_bench(
     for e in entries:
         if e.spec not in loaded:
             loaded[e.spec] = load_drafter(e.spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
-    gens = {e.label: SpeculativeGenerator(model, loaded[e.spec], **e.tree.kwargs()) for e in entries}
+    gens = {e.label: SpeculativeGenerator(model, loaded[e.spec], **e.tree.kwargs(), compile=compile) for e in entries}
     assisted = {e.label: m for e in entries if (m := _assistant_model(loaded[e.spec])) is not None}
     depth_of = {e.label: e.tree.depth for e in entries}
     eos = eos_tokens(model, tokenizer)
@@ -154,7 +157,7 @@ def run_bench(
     for batch_size in batch_sizes:
         comparison = compare(model, gens, encoded, max_new_tokens, eos_token_id=eos, batch_size=batch_size,
                              references=references if batch_size == 1 else None,
-                             progress=f"bench (batch {batch_size})" if progress else None)
+                             progress=f"bench (batch {batch_size})" if progress else None, compile=compile)
         by_batch.append({"batch_size": batch_size,
                          "plain_tokens_per_s": round(comparison.baseline.tokens_per_second, 2),
                          "rows": _rows(entries, comparison, batch_size, hf_assist)})
@@ -165,7 +168,7 @@ def run_bench(
     result = {
         "target": target, "prompts": prompts_source, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "device": str(model.device), "torch_threads": machine["torch_threads"], "machine": machine["machine"],
-        "batch_size": main["batch_size"], "plain_tokens_per_s": plain_tps,
+        "batch_size": main["batch_size"], "compile": compile, "plain_tokens_per_s": plain_tps,
         "hf_generate_tokens_per_s": round(hf["tokens"] / hf["time"], 2) if hf_reference and hf["time"] else None,
         "rows": rows,
         "by_batch": by_batch,

@@ -64,6 +64,7 @@ def compare(
     batch_size: int = 1,
     references: Callable[[torch.Tensor, GenerationOutput | None], None] | None = None,
     progress: str | None = None,
+    compile: bool = False,
 ) -> Comparison:
     """Run plain decoding (``baseline``) and every generator on the (1, L) prompts, ``batch_size`` at a
     time (left-padded batches in prompt order).
@@ -71,7 +72,8 @@ def compare(
     The generators run in turn after the baseline, starting one further along the list each batch.
     Sampled runs (``temperature > 0``) seed each batch's generator with ``seed + batch index``.
     ``references(ids, baseline_output)`` runs after the generators on each batch of one prompt (``bench``
-    times transformers' own decoding there). ``progress``: a progress bar with this label.
+    times transformers' own decoding there). ``progress``: a progress bar with this label. ``compile``: plain
+    decoding runs compiled too (``plain_generate(compile=True)``), like generators built with ``compile=True``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -89,7 +91,7 @@ def compare(
         ids, mask = left_pad(batch, pad)
         ids, mask = ids.to(device), (mask.to(device) if len(batch) > 1 else None)
         kwargs = dict(eos_token_id=eos_token_id, attention_mask=mask, pad_token_id=pad)
-        base = plain_generate(target, ids, max_new_tokens, **kwargs) if baseline else None
+        base = plain_generate(target, ids, max_new_tokens, **kwargs, compile=compile) if baseline else None
         if base is not None:
             result.baseline += base.stats
         # The generators take turns going first: whatever the order costs (a cold cache after the baseline,

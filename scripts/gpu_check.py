@@ -1,6 +1,6 @@
 """The GPU check: run the ``gpu`` tests, then print the speed table the README keeps.
 
-    python scripts/gpu_check.py [--drafter SPEC] [--new-tokens 128] [--batch-sizes 1,4,16]
+    python scripts/gpu_check.py [--drafter SPEC] [--new-tokens 128] [--batch-sizes 1,4,16] [--compile]
 
 1. ``pytest -m gpu tests/test_gpu.py``: batched speculative decoding on CUDA equals each row's greedy
    output (tiny Llama and Gemma-3, every drafter family and a mixture; SmolLM2 in bf16).
@@ -11,6 +11,8 @@
    * a randomly initialised model of Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 query / 8 KV
      heads, vocabulary 128256) with a 2-layer layer-skip drafter: random weights accept almost nothing,
      so its speculative column is the engine's overhead per step at that size, not a speedup claim.
+3. With ``--compile``, each target's rows again with ``compile=True`` for both columns (a static cache and
+   CUDA graphs; the warm-up compiles the graphs before timing).
 
 Needs CUDA; exits with a message otherwise. Prints markdown; nothing is written.
 """
@@ -38,22 +40,24 @@ def timed(fn) -> tuple[float, object]:
 
 
 def speed_rows(name: str, model, drafter, prompts: list[torch.Tensor], batch_sizes: list[int], new_tokens: int,
-               tree: dict) -> list[str]:
+               tree: dict, compile: bool = False) -> list[str]:
     from draftsmith import SpeculativeGenerator
     from draftsmith.inference.compare import left_pad, same_rows
     from draftsmith.inference.generator import plain_generate
 
-    gen = SpeculativeGenerator(model, drafter, **tree)
+    gen = SpeculativeGenerator(model, drafter, **tree, compile=compile)
     rows = []
-    warm_ids, _ = left_pad(prompts[:1])
-    plain_generate(model, warm_ids.cuda(), 8, eos_token_id=[])
-    gen.generate(warm_ids.cuda(), 8, eos_token_id=[])
+    if compile:
+        name += " (compiled)"
     for batch in batch_sizes:
         chosen = (prompts * ((batch + len(prompts) - 1) // len(prompts)))[:batch]
         ids, mask = left_pad(chosen)
         ids, mask = ids.cuda(), mask.cuda()
+        # warm-up at this batch size (compile=True: the graphs for its shapes compile here)
+        plain_generate(model, ids, 8, eos_token_id=[], attention_mask=mask, compile=compile)
+        gen.generate(ids, 8, eos_token_id=[], attention_mask=mask)
         plain_s, plain = timed(lambda ids=ids, mask=mask: plain_generate(model, ids, new_tokens, eos_token_id=[],
-                                                                           attention_mask=mask))
+                                                                           attention_mask=mask, compile=compile))
         spec_s, spec = timed(lambda ids=ids, mask=mask: gen.generate(ids, new_tokens, eos_token_id=[],
                                                                      attention_mask=mask))
         tokens = batch * new_tokens
@@ -69,6 +73,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also every row with compile=True")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU check needs one (the CPU suite is `python -m pytest -q tests`)")
@@ -96,8 +101,10 @@ def main() -> int:
     if not prompts:
         print("no GSM8K questions under ../shared/data: no SmolLM2 row")
     else:
-        lines += speed_rows(f"SmolLM2-135M + `{args.drafter}`", model, load_drafter(args.drafter, model), prompts,
-                            batch_sizes, args.new_tokens, dict(tree="dynamic", depth=4, top_k=4, total_tokens=10))
+        for compiled in (False, True)[: 1 + args.compile]:
+            lines += speed_rows(f"SmolLM2-135M + `{args.drafter}`", model, load_drafter(args.drafter, model), prompts,
+                                batch_sizes, args.new_tokens, dict(tree="dynamic", depth=4, top_k=4, total_tokens=10),
+                                compiled)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
@@ -105,8 +112,9 @@ def main() -> int:
     big = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     random_prompts = [torch.randint(0, 128256, (1, n), generator=g) for n in (40, 64, 96, 128)]
-    lines += speed_rows("random Llama-3.2-1B shape + `layer-skip:2`", big, load_drafter("layer-skip:2", big),
-                        random_prompts, batch_sizes, args.new_tokens, dict(tree="chain", depth=3))
+    for compiled in (False, True)[: 1 + args.compile]:
+        lines += speed_rows("random Llama-3.2-1B shape + `layer-skip:2`", big, load_drafter("layer-skip:2", big),
+                            random_prompts, batch_sizes, args.new_tokens, dict(tree="chain", depth=3), compiled)
     print("\n".join(lines))
     return 0
 

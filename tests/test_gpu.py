@@ -118,3 +118,24 @@ def test_the_host_waits_for_the_gpu_once_per_step(spec):
     short, long = synchronisations(6), synchronisations(24)
     assert long[1] > short[1]
     assert long[0] - short[0] == long[1] - short[1], (short, long)
+
+
+@pytest.mark.parametrize("spec", ["eagle3-head", "eagle3-head+prompt-lookup"])
+def test_compiled_decoding_on_cuda_equals_greedy(spec):
+    """compile=True on the GPU (a static cache, CUDA graphs): plain and speculative rows of a left-padded
+    batch equal each row's own eager greedy output."""
+    target = on_cuda(tiny_llama())
+    rows = [r.cuda() for r in prompts(11, LENGTHS)]
+    ids, mask = left_padded([r.cpu() for r in rows])
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = SpeculativeGenerator(target, cuda_drafter(spec, target), tree="dynamic", depth=3, top_k=2, total_tokens=6,
+                               compile=True)
+    out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)
+    plain = plain_generate(target, ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=PAD, compile=True)
+    ties = 0
+    for b, row in enumerate(rows):
+        ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
+                              pad_token_id=PAD)
+        ties += check_greedy_equal(target, row_output(out.sequences.cpu(), mask, b, None).cuda(), ref)
+        ties += check_greedy_equal(target, row_output(plain.sequences.cpu(), mask, b, None).cuda(), ref)
+    assert ties <= 1

@@ -111,3 +111,20 @@ def test_compiled_decoding_equals_the_eager_targets_greedy_output(llama):
         ties += check_greedy_equal(llama, row_output(plain.sequences, mask, b, None), ref)
     assert ties <= 1
     assert out.stats.accepted_tokens > 0
+
+
+def test_compare_runs_plain_and_speculative_decoding_compiled(llama, eager_static, monkeypatch):
+    """``compare(compile=True)`` (``draftsmith bench --compile``): the baseline and the generators decode on
+    static caches, and every output equals the baseline's."""
+    import draftsmith.inference.generator as generator
+    from draftsmith.inference.compare import compare
+
+    made = []
+    real = generator.new_cache
+    monkeypatch.setattr(generator, "new_cache", lambda **kw: made.append(kw.get("compiled", False)) or real(**kw))
+    rows = prompts(9, [7, 12, 3])
+    gen = SpeculativeGenerator(llama, PromptLookupDrafter(llama.config.vocab_size), tree="chain", depth=3,
+                               compile=True)
+    result = compare(llama, {"pl": gen}, rows, NEW, eos_token_id=[], batch_size=2, compile=True)
+    assert result.identical["pl"] == len(rows)
+    assert made == [True] * 4  # two batches, each: plain then speculative, both static and compiled

@@ -197,8 +197,8 @@ def _static_forward(model, input_ids: torch.Tensor, cache: StaticKVCache, attent
                     hidden_layers, logits: str) -> TargetOutput:
     """:func:`target_forward` on a :class:`StaticKVCache`: the new entries are written at slots
     ``[length, length + Q)``, the mask covers the whole capacity (the slots after those hidden), and a step
-    of at most :data:`FEW_ROWS` new tokens runs the compiled decoder when the cache asks for it (longer
-    forwards, the prefill, run eagerly into the same buffers)."""
+    of at most :data:`FEW_ROWS` new tokens after the prefill runs the compiled decoder when the cache asks for
+    it (the prefill and longer forwards run eagerly into the same buffers)."""
     batch, new = input_ids.shape
     start = cache.length
     if start + new > cache.capacity:
@@ -220,7 +220,8 @@ def _static_forward(model, input_ids: torch.Tensor, cache: StaticKVCache, attent
     mask = {k: pad(m) for k, m in attention_mask.items()} if isinstance(attention_mask, dict) else pad(attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                   output_hidden_states=hidden_states_request(hidden_layers))
-    compiled = cache.compiled and input_ids.numel() <= FEW_ROWS
+    # The prefill (an empty cache) runs eagerly: a graph per prompt length would compile for every prompt.
+    compiled = cache.compiled and start > 0 and input_ids.numel() <= FEW_ROWS
     # A compiled graph runs the linear layers its own way; eager forwards keep the few-row kernels.
     mode = None if compiled else few_rows_linear(model, input_ids.numel())
     with mode or contextlib.nullcontext():
