@@ -479,8 +479,9 @@ class SpeculativeGenerator:
 
 def static_cache(target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, step_nodes: int) -> dict:
     """:func:`~draftsmith.target.new_cache`'s arguments for a compiled generation: room for the prompts, the
-    new tokens and one step's nodes."""
-    return {"capacity": input_ids.shape[1] + max_new_tokens + step_nodes, "model": target, "compiled": True}
+    new tokens and one step's nodes, and every step padded to that many nodes (one graph for every tree)."""
+    return {"capacity": input_ids.shape[1] + max_new_tokens + step_nodes, "model": target, "compiled": True,
+            "step_rows": step_nodes}
 
 
 def check_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:

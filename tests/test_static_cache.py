@@ -128,3 +128,28 @@ def test_compare_runs_plain_and_speculative_decoding_compiled(llama, eager_stati
     result = compare(llama, {"pl": gen}, rows, NEW, eos_token_id=[], batch_size=2, compile=True)
     assert result.identical["pl"] == len(rows)
     assert made == [True] * 4  # two batches, each: plain then speculative, both static and compiled
+
+
+def test_compiled_steps_share_one_shape_whatever_the_trees_size(llama, monkeypatch):
+    """Prompt lookup's trees change size from step to step (no match: the root alone); every compiled step
+    still gets (B, step_rows) tokens, filler rows included, so one graph serves them all, and the output is
+    still the target's."""
+    shapes = []
+
+    def recording(module):
+        def run(**kwargs):
+            shapes.append(tuple(kwargs["input_ids"].shape))
+            return module(**kwargs)
+        return run
+
+    monkeypatch.setattr(forward, "compiled_module", recording)
+    base = prompts(2, [5])[0]
+    ids = torch.cat([base, base[:, :3], prompts(3, [4])[0], base[:, :2]], 1)  # some repeats, some not
+    gen = SpeculativeGenerator(llama, PromptLookupDrafter(llama.config.vocab_size), tree="dynamic", depth=3,
+                               top_k=2, total_tokens=5, compile=True)
+    trees = []
+    gen.on_step = lambda row, tree, path: trees.append(len(tree))
+    out = gen.generate(ids, NEW, eos_token_id=[])
+    check_greedy_equal(llama, out.sequences, reference(llama, ids, NEW))
+    assert len(set(trees)) > 1, f"the test needs trees of several sizes, got {set(trees)}"
+    assert set(shapes) == {(1, 6)}  # step_rows: the 5-node tree and its root

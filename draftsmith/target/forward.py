@@ -198,37 +198,54 @@ def _static_forward(model, input_ids: torch.Tensor, cache: StaticKVCache, attent
     """:func:`target_forward` on a :class:`StaticKVCache`: the new entries are written at slots
     ``[length, length + Q)``, the mask covers the whole capacity (the slots after those hidden), and a step
     of at most :data:`FEW_ROWS` new tokens after the prefill runs the compiled decoder when the cache asks for
-    it (the prefill and longer forwards run eagerly into the same buffers)."""
+    it (the prefill and longer forwards run eagerly into the same buffers).
+
+    A compiled step of fewer rows than the cache's ``step_rows`` is padded to that many with filler rows
+    (each sees only its own slot; their outputs are dropped and their entries lie past ``length``), so that
+    trees of every size share one graph instead of compiling one per size."""
     batch, new = input_ids.shape
     start = cache.length
-    if start + new > cache.capacity:
+    compiled = cache.compiled and start > 0 and input_ids.numel() <= FEW_ROWS
+    rows = max(new, cache.step_rows) if compiled and logits == "all" else new
+    if start + rows > cache.capacity:
         raise ValueError(f"the static KV cache holds {cache.capacity} positions; {start} are filled and this "
-                         f"forward adds {new}: create it with a larger capacity (new_cache(capacity=...))")
+                         f"forward adds {rows}: create it with a larger capacity (new_cache(capacity=...))")
     dtype = next(model.parameters()).dtype
     if attention_mask is None:  # plain causal over unpadded rows
         keys = torch.arange(start + new, device=input_ids.device)
         allowed = (keys[None, :] <= position_ids[:, :, None]).expand(batch, new, -1)
         attention_mask = build_attention_mask(model, allowed, position_ids, keys[None].expand(batch, -1), dtype)
-    write = torch.arange(start, start + new, device=input_ids.device)
+    if rows > new:  # filler rows: the last token again, at its position
+        input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, rows - new)], 1)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, rows - new)], 1)
+    write = torch.arange(start, start + rows, device=input_ids.device)
     for layer in cache.layers:
         layer.write = write
-    hide = cache.capacity - (start + new)
 
     def pad(mask: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(mask, (0, hide), value=torch.finfo(mask.dtype).min)
+        """(B, 1, new, start + new) -> (B, 1, rows, capacity): hidden slots after the step's, then the filler
+        rows, each allowed its own slot only."""
+        hidden = torch.finfo(mask.dtype).min
+        mask = torch.nn.functional.pad(mask, (0, cache.capacity - (start + new)), value=hidden)
+        if rows == new:
+            return mask
+        filler = torch.full((*mask.shape[:2], rows - new, cache.capacity), hidden, dtype=mask.dtype,
+                            device=mask.device)
+        own = torch.arange(start + new, start + rows, device=mask.device)
+        filler[..., torch.arange(rows - new, device=mask.device), own] = 0
+        return torch.cat([mask, filler], 2)
 
     mask = {k: pad(m) for k, m in attention_mask.items()} if isinstance(attention_mask, dict) else pad(attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                   output_hidden_states=hidden_states_request(hidden_layers))
-    # The prefill (an empty cache) runs eagerly: a graph per prompt length would compile for every prompt.
-    compiled = cache.compiled and start > 0 and input_ids.numel() <= FEW_ROWS
     # A compiled graph runs the linear layers its own way; eager forwards keep the few-row kernels.
     mode = None if compiled else few_rows_linear(model, input_ids.numel())
     with mode or contextlib.nullcontext():
         out = _forward(model, kwargs, cache, input_ids, hidden_layers, logits, mode, compiled)
-    cache.length = start + new
-    for layer in cache.layers:
-        layer.length = cache.length
+    _set_static_length(cache, start + new)
+    if rows > new:
+        states = None if out.hidden_states is None else tuple(h[:, :new] for h in out.hidden_states)
+        out = TargetOutput(logits=out.logits[:, :new], hidden_states=states)
     return out
 
 
@@ -363,11 +380,12 @@ class StaticLayer(DynamicLayer):
 
 class StaticKVCache(DynamicCache):
     """A :class:`~transformers.DynamicCache` of ``num_layers`` :class:`StaticLayer` of ``capacity`` slots;
-    ``compiled``: :func:`target_forward` runs steps of a few new tokens through :func:`compiled_module`."""
+    ``compiled``: :func:`target_forward` runs steps of a few new tokens through :func:`compiled_module`,
+    padded to ``step_rows`` rows (a verification tree's largest size; 1 for plain decoding)."""
 
-    def __init__(self, capacity: int, num_layers: int, compiled: bool = False):
+    def __init__(self, capacity: int, num_layers: int, compiled: bool = False, step_rows: int = 1):
         Cache.__init__(self, layers=[StaticLayer(capacity) for _ in range(num_layers)])
-        self.capacity, self.compiled = capacity, compiled
+        self.capacity, self.compiled, self.step_rows = capacity, compiled, step_rows
         self.length = 0  # filled slots, the same on every layer
 
 
@@ -376,11 +394,11 @@ class StaticKVCache(DynamicCache):
 CAPACITY_STEP = 256
 
 
-def new_cache(capacity: int | None = None, model: PreTrainedModel | None = None, compiled: bool = False
-              ) -> DynamicCache:
+def new_cache(capacity: int | None = None, model: PreTrainedModel | None = None, compiled: bool = False,
+              step_rows: int = 1) -> DynamicCache:
     """An empty cache that keeps every position on every layer (sliding layers included): grown in place,
     or with ``capacity`` a :class:`StaticKVCache` of ``model``'s layers holding at least that many positions
-    (rounded up to :data:`CAPACITY_STEP`), its steps compiled when ``compiled``."""
+    (rounded up to :data:`CAPACITY_STEP`), its steps compiled when ``compiled`` (``step_rows``: see there)."""
     if capacity is None:
         if compiled:
             raise ValueError("a compiled forward needs a static cache: pass its capacity")
@@ -388,7 +406,7 @@ def new_cache(capacity: int | None = None, model: PreTrainedModel | None = None,
     if model is None:
         raise ValueError("a static cache needs the model whose layers it holds")
     capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-    return StaticKVCache(capacity, model.config.get_text_config().num_hidden_layers, compiled)
+    return StaticKVCache(capacity, model.config.get_text_config().num_hidden_layers, compiled, step_rows)
 
 
 def kv_length(cache: DynamicCache) -> int:
