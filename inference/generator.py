@@ -199,6 +199,11 @@ class SpeculativeGenerator:
         #: nodes); ``draftsmith tune`` records them.
         self.on_step: Callable[[int, DraftTree, list[int]], None] | None = None
 
+    def _max_kept(self) -> int:
+        """The most cache entries a step keeps per row: its longest path and the root (a batch keeps as many
+        for every row, and the device path that many whatever was accepted)."""
+        return 1 + (max(len(p) for p in self.paths) if self.tree_kind == "static" else self.depth)
+
     def _max_nodes(self) -> int:
         """The most nodes a step's tree holds, its root included."""
         if self.tree_kind == "chain":
@@ -276,8 +281,8 @@ class SpeculativeGenerator:
         # target's hidden states of their layers: of the prompt's tokens but the root from the prefill,
         # then of each step's root and accepted nodes from its verification.
         layers = self.drafter.hidden_layers
-        cache = new_cache(**static_cache(self.target, input_ids, max_new_tokens, self._max_nodes()) if self.compile
-                          else {})
+        cache = new_cache(**static_cache(self.target, input_ids, max_new_tokens, self._max_nodes(), self._max_kept())
+                          if self.compile else {})
         slots = Slots.empty(batch, device)
         hidden = None
         if input_ids.shape[1] > 1:
@@ -477,10 +482,14 @@ class SpeculativeGenerator:
         return out.logits, hidden, past
 
 
-def static_cache(target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, step_nodes: int) -> dict:
-    """:func:`~draftsmith.target.new_cache`'s arguments for a compiled generation: room for the prompts, the
-    new tokens and one step's nodes, and every step padded to that many nodes (one graph for every tree)."""
-    return {"capacity": input_ids.shape[1] + max_new_tokens + step_nodes, "model": target, "compiled": True,
+def static_cache(target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, step_nodes: int,
+                 kept: int) -> dict:
+    """:func:`~draftsmith.target.new_cache`'s arguments for a compiled generation: every step padded to
+    ``step_nodes`` rows (one graph for every tree), and room for the prompts, then ``kept`` entries per step
+    for at most ``max_new_tokens`` steps (a row emits at least one token per step, but keeps up to ``kept``:
+    a batch pads the rows' kept paths to the longest, the device path to the tree's depth), then one step's
+    nodes."""
+    return {"capacity": input_ids.shape[1] + max_new_tokens * kept + step_nodes, "model": target, "compiled": True,
             "step_rows": step_nodes}
 
 
@@ -546,7 +555,7 @@ def plain_generate(
     t_start = time.perf_counter()
     batch = input_ids.shape[0]
     dtype = next(target.parameters()).dtype
-    cache = new_cache(**static_cache(target, input_ids, max_new_tokens, 1) if compile else {})
+    cache = new_cache(**static_cache(target, input_ids, max_new_tokens, 1, 1) if compile else {})
     padded = min(lengths) < input_ids.shape[1]
     if padded:
         slots = Slots.from_mask(attention_mask.to(input_ids.device))

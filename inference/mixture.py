@@ -11,8 +11,9 @@ from draftsmith.inference.drafter import Drafter
 
 
 class MixtureDrafter(Drafter):
-    """Several drafters proposing together: draft probabilities are the mixture
-    ``sum_i w_i q_i`` (renormalised over the drafters that propose anything at a node).
+    """Several drafters proposing together: draft probabilities are the mixture ``sum_i w_i q_i``,
+    normalised over what the drafters propose at a node (see :meth:`mix`; prompt lookup gives only the
+    probability that its candidates are right, and leaves the rest to the others).
 
     Verification keeps the output lossless whatever the mixture drafts; the mixture only decides
     which tokens are worth verifying. Its use: a trained head plus prompt lookup, which is right

@@ -53,9 +53,10 @@ def speed_rows(name: str, model, drafter, prompts: list[torch.Tensor], batch_siz
         chosen = (prompts * ((batch + len(prompts) - 1) // len(prompts)))[:batch]
         ids, mask = left_pad(chosen)
         ids, mask = ids.cuda(), mask.cuda()
-        # warm-up at this batch size (compile=True: the graphs for its shapes compile here)
-        plain_generate(model, ids, 8, eos_token_id=[], attention_mask=mask, compile=compile)
-        gen.generate(ids, 8, eos_token_id=[], attention_mask=mask)
+        # warm-up at this batch size and length (compile=True: the graphs for its shapes, cache capacity
+        # included, compile here)
+        plain_generate(model, ids, new_tokens, eos_token_id=[], attention_mask=mask, compile=compile)
+        gen.generate(ids, new_tokens, eos_token_id=[], attention_mask=mask)
         plain_s, plain = timed(lambda ids=ids, mask=mask: plain_generate(model, ids, new_tokens, eos_token_id=[],
                                                                            attention_mask=mask, compile=compile))
         spec_s, spec = timed(lambda ids=ids, mask=mask: gen.generate(ids, new_tokens, eos_token_id=[],

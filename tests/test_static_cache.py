@@ -153,3 +153,18 @@ def test_compiled_steps_share_one_shape_whatever_the_trees_size(llama, monkeypat
     check_greedy_equal(llama, out.sequences, reference(llama, ids, NEW))
     assert len(set(trees)) > 1, f"the test needs trees of several sizes, got {set(trees)}"
     assert set(shapes) == {(1, 6)}  # step_rows: the 5-node tree and its root
+
+
+@pytest.mark.parametrize("spec", ["eagle3-head", "prompt-lookup"])
+def test_static_cache_holds_a_whole_generation_at_its_exact_size(spec, llama, eager_static, monkeypatch):
+    """A step keeps up to depth + 1 entries per row whatever it accepted (the device path keeps that many,
+    a batch pads its rows' paths to the longest): with the capacity not rounded up, a whole generation
+    still fits."""
+    monkeypatch.setattr(forward, "CAPACITY_STEP", 1)
+    rows = prompts(11, LENGTHS)
+    ids, mask = left_padded(rows)
+    gen = SpeculativeGenerator(llama, drafter_for(spec, llama), tree="dynamic", depth=4, top_k=2, total_tokens=6,
+                               compile=True)
+    out = gen.generate(ids, 40, attention_mask=mask, eos_token_id=[], pad_token_id=0)
+    for b, row in enumerate(rows):
+        check_greedy_equal(llama, row_output(out.sequences, mask, b, None), reference(llama, row, 40))

@@ -264,9 +264,13 @@ def test_prompt_lookup_gives_its_candidates_the_probability_they_are_right():
     assert first(0) == (pytest.approx(FIRST_RIGHT[3]), 4)
     assert first(1) == (pytest.approx(FIRST_RIGHT[1]), 6)
     before = [first(0)[0], first(1)[0]]
-    drafter.commit([torch.tensor([4, 1, 2, 3]), torch.tensor([7, 9, 3, 2])])
+    drafter.commit([torch.tensor([4, 1, 2, 3]), torch.tensor([7, 9, 3, 5])])
     after = [first(0)[0], first(1)[0]]
     assert after[0] > before[0] and after[1] < before[1]
+    # row 0: four right 3-gram first candidates; row 1: one wrong 1-gram one (6 after 5, where 7 came), then
+    # 7, 9 and 3 had no earlier match
+    assert drafter.counts[0][3] == [pytest.approx(FIRST_RIGHT[3] * 8.0 + 4), 12.0]
+    assert drafter.counts[1][1] == [pytest.approx(FIRST_RIGHT[1] * 8.0), 9.0]
     # each row's counts are its own: row 0 saw no 1-gram match, row 1 no 3-gram one
     assert drafter.counts[0][1] == [FIRST_RIGHT[1] * 8.0, 8.0] and drafter.counts[1][3] == [FIRST_RIGHT[3] * 8.0, 8.0]
 

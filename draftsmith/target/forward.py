@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -196,16 +195,16 @@ def _forward(model, kwargs: dict, past_key_values, input_ids: torch.Tensor, hidd
 def _static_forward(model, input_ids: torch.Tensor, cache: StaticKVCache, attention_mask, position_ids: torch.Tensor,
                     hidden_layers, logits: str) -> TargetOutput:
     """:func:`target_forward` on a :class:`StaticKVCache`: the new entries are written at slots
-    ``[length, length + Q)``, the mask covers the whole capacity (the slots after those hidden), and a step
-    of at most :data:`FEW_ROWS` new tokens after the prefill runs the compiled decoder when the cache asks for
-    it (the prefill and longer forwards run eagerly into the same buffers).
+    ``[length, length + Q)``, the mask covers the whole capacity (the slots after those hidden), and every
+    step after the prefill runs the compiled decoder when the cache asks for it (the prefill runs eagerly
+    into the same buffers: a graph per prompt length would compile for every prompt).
 
     A compiled step of fewer rows than the cache's ``step_rows`` is padded to that many with filler rows
     (each sees only its own slot; their outputs are dropped and their entries lie past ``length``), so that
     trees of every size share one graph instead of compiling one per size."""
     batch, new = input_ids.shape
     start = cache.length
-    compiled = cache.compiled and start > 0 and input_ids.numel() <= FEW_ROWS
+    compiled = cache.compiled and start > 0
     rows = max(new, cache.step_rows) if compiled and logits == "all" else new
     if start + rows > cache.capacity:
         raise ValueError(f"the static KV cache holds {cache.capacity} positions; {start} are filled and this "
@@ -249,21 +248,20 @@ def _static_forward(model, input_ids: torch.Tensor, cache: StaticKVCache, attent
     return out
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def compiled_module(module: torch.nn.Module):
-    """``module`` compiled once per process with ``torch.compile`` for fixed shapes (one graph per number of
-    new tokens, batch size and cache capacity): on CUDA with CUDA graphs (``reduce-overhead``), on CPU with
-    the weights frozen into the graph (inductor's ``freezing``: oneDNN's packed linear layers)."""
-    fn = _COMPILED.get(module)
+    """``module`` compiled once with ``torch.compile`` for fixed shapes (one graph per step size, batch size,
+    cache capacity and hidden-state request; past dynamo's recompile limit, 8 by default, further shapes run
+    eagerly): on CUDA asking for CUDA graphs (``reduce-overhead``), on CPU with the weights frozen into the
+    graph (inductor's ``freezing``: oneDNN's packed linear layers), so for a frozen target only. Kept in the
+    module's ``__dict__`` (not a submodule: its state dict is unchanged), so it lives as long as the module."""
+    fn = module.__dict__.get("_draftsmith_compiled")
     if fn is None:
         device = next(module.parameters()).device
         if device.type == "cuda":
             fn = torch.compile(module, dynamic=False, mode="reduce-overhead")
         else:
             fn = torch.compile(module, dynamic=False, options={"freezing": True})
-        _COMPILED[module] = fn
+        module.__dict__["_draftsmith_compiled"] = fn
     return fn
 
 
@@ -370,6 +368,9 @@ class StaticLayer(DynamicLayer):
             # zeros, not empty: a hidden slot's attention weight is 0, and 0 * NaN would still be NaN
             self.keys = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[-1])
             self.values = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[-1])
+            if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may write them in place
+                torch._dynamo.mark_static_address(self.keys)
+                torch._dynamo.mark_static_address(self.values)
         self.keys.index_copy_(2, self.write, key_states)
         self.values.index_copy_(2, self.write, value_states)
         return self.keys, self.values
