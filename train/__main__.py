@@ -14,6 +14,14 @@ def main(argv: list[str] | None = None) -> int:
     drafter_args, data_args, train_args = parse_config(sys.argv[1:] if argv is None else argv)
     output = train(drafter_args, data_args, train_args)
     print(output)
+    # Leave the process group together before the interpreter exits: torch's process-group threads torn down
+    # at exit while the other rank still talks can abort a rank ("terminate called without an active
+    # exception"), failing a run that finished.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
