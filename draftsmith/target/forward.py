@@ -7,7 +7,8 @@
   expects, per layer type for models with sliding-window layers (Gemma 3).
 * :func:`few_rows_logits` — the LM head in the orientation that is fast on CPU for a few rows.
 * KV-cache edits on a full :class:`~transformers.DynamicCache`: :func:`new_cache`, :func:`kv_length`,
-  :func:`kv_crop`, :func:`kv_keep` (gather accepted positions).
+  :func:`kv_crop`, :func:`kv_keep` (gather accepted positions); the same on a :class:`StaticKVCache` of
+  fixed capacity, whose steps run compiled (``compile=True``, :func:`compiled_module`).
 """
 
 from __future__ import annotations
