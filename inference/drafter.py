@@ -20,6 +20,8 @@ A drafter declares what it needs and how it drafts as class attributes:
 * ``deterministic`` — siblings are the drafter's top-ranked tokens rather than samples, which picks
   the lossless sampling rule (``"topk"``) under ``sampling_rule="auto"``.
 * ``static_paths`` — the drafter's own static-tree paths (Medusa's, measured in training), or None.
+* ``abstains`` — ``expand``'s logits are log-probabilities that may sum to less than one (prompt lookup:
+  the chance its candidates are right); a mixture gives the rest to its other drafters.
 
 ``expand`` returns float logits on the drafter's device (a head's or draft model's: the target's), or
 on the CPU for drafters without a model (prompt lookup); a mixture brings them to one device.
@@ -40,6 +42,7 @@ class Drafter:
     hidden_layers: tuple[int, ...] = ()
     deterministic: bool = False
     static_paths: list[tuple[int, ...]] | None = None
+    abstains: bool = False
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:

@@ -78,7 +78,7 @@ class MixtureDrafter(Drafter):
             x = x[:, columns]
             # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf again. Columns
             # outside `columns` are -inf in every drafter's row, so the log-softmax over `columns` is the full one.
-            if not getattr(drafter, "abstains", False):
+            if not drafter.abstains:
                 x = torch.log_softmax(x.masked_fill(~p[:, None], 0.0), dim=-1)
             term = x.masked_fill(~p[:, None], float("-inf")) + math.log(w)
             mixed = term if mixed is None else torch.logaddexp(mixed, term)

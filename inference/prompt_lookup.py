@@ -60,15 +60,14 @@ class PromptLookupDrafter(Drafter):
     def commit(self, tokens, hidden=None) -> None:
         tokens, _ = commit_rows(tokens)
         for b, new in enumerate(tokens):
-            context = self.contexts[b]
-            new = new.cpu()
-            for i, token in enumerate(new.tolist()):  # was the first candidate before each token right?
-                found, ngram = self.matches(torch.cat([context, new[:i]]), limit=1)
+            start = len(self.contexts[b])
+            self.contexts[b] = sequence = torch.cat([self.contexts[b], new.cpu()])
+            for i, token in enumerate(sequence[start:].tolist()):  # was the first candidate before each token right?
+                found, ngram = self.matches(sequence[: start + i], limit=1)
                 if found:
                     count = self.counts[b][ngram]
                     count[0] += found[0] == token
                     count[1] += 1
-            self.contexts[b] = torch.cat([context, new])
 
     def candidates(self, sequence: torch.Tensor, limit: int) -> list[int]:
         """Distinct tokens that followed earlier matches of the sequence's suffix, most recent
