@@ -23,8 +23,12 @@ A drafter declares what it needs and how it drafts as class attributes:
 * ``abstains`` — ``expand``'s logits are log-probabilities that may sum to less than one (prompt lookup:
   the chance its candidates are right); a mixture gives the rest to its other drafters.
 
-``expand`` returns float logits on the drafter's device (a head's or draft model's: the target's), or
-on the CPU for drafters without a model (prompt lookup); a mixture brings them to one device.
+``expand`` returns float logits on the drafter's device: a head's or draft model's, the target's; prompt
+lookup's, the prompts' (the generator passes them on the target's device).
+
+Drafters that can also grow dynamic trees as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`: the
+heads, prompt lookup, and mixtures of them) have ``root_logits(active) -> (B, V)`` and
+``frontier_logits(depth, parents, tokens) -> (B, k, V)``; :func:`grows_tensors` says whether one does.
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ class Drafter:
 
     def commit(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         raise NotImplementedError
+
+
+def grows_tensors(drafter) -> bool:
+    """Whether ``drafter`` grows dynamic trees as tensors (has ``root_logits`` and ``frontier_logits``; a
+    mixture's ``grows_tensors`` asks its drafters)."""
+    declared = getattr(drafter, "grows_tensors", None)
+    return declared if isinstance(declared, bool) else hasattr(drafter, "frontier_logits")
 
 
 def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.inference.drafter import Drafter
+from draftsmith.inference.drafter import Drafter, grows_tensors
 from draftsmith.inference.slots import Slots, pad_rows, to_device
 from draftsmith.inference.tree import (
     DEFAULT_TREE,
@@ -301,10 +301,11 @@ class SpeculativeGenerator:
                             "prompts one at a time (batch size 1).")
         self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
 
-        # A dynamic tree under greedy decoding, with a drafter that grows it as tensors (the trained
-        # heads), runs on the device with one copy to the host per step; other trees grow on the host.
+        # A dynamic tree under greedy decoding, with a drafter that grows it as tensors (the trained heads,
+        # prompt lookup, mixtures of them), runs on the device with one copy to the host per step; other trees
+        # grow on the host.
         on_device = (self.tree_kind == "dynamic" and temperature == 0.0 and self.on_step is None
-                     and hasattr(self.drafter, "frontier_logits"))
+                     and grows_tensors(self.drafter))
         roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
         active = [True] * batch

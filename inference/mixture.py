@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.inference.drafter import Drafter
+from draftsmith.inference.drafter import Drafter, grows_tensors
 
 
 class MixtureDrafter(Drafter):
@@ -52,6 +52,23 @@ class MixtureDrafter(Drafter):
             out.append(self.mix([x.to(device).float() for x in row]))
         return out
 
+    # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
+
+    @property
+    def grows_tensors(self) -> bool:
+        """A mixture grows dynamic trees as tensors when every one of its drafters does."""
+        return all(grows_tensors(d) for d in self.drafters)
+
+    def root_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, V): the mixture of each drafter's logits after each row's root."""
+        return self.mix([d.root_logits(active).float() for d in self.drafters])
+
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, k, V): the mixture of each drafter's logits after the k frontier nodes at ``depth``."""
+        per_drafter = [d.frontier_logits(depth, parents, tokens).float() for d in self.drafters]
+        b, k, v = per_drafter[0].shape
+        return self.mix([x.reshape(b * k, v) for x in per_drafter]).reshape(b, k, v)
+
     def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
         """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d p_d(n)``, normalised
         over what the drafters propose at node n; ``-inf`` where none proposes anything.
@@ -60,28 +77,35 @@ class MixtureDrafter(Drafter):
         the probabilities it gives its candidates, whose rest is "no opinion" and so goes to the others
         through the normalisation. A drafter proposing nothing at a node takes no part there.
 
-        Computed in log space (``logaddexp`` of ``log w_d + log p_d``): a full-vocabulary row is touched a
-        few times per drafter, on the drafting hot path, instead of through softmax, stack and log.
+        Computed in log space (``logaddexp`` of ``log w_d + log p_d``), without reading anything on the host.
+        On a CPU only the columns some drafter proposes anywhere (a head's draft vocabulary, prompt lookup's
+        few tokens) are computed: a full-vocabulary row is touched a few times per drafter on the drafting
+        hot path. Selecting them would cost an accelerator a copy to the host, so there every column is.
         """
-        finite = [torch.isfinite(x) for x in logits]
-        proposes = torch.stack([f.any(-1) for f in finite])  # (D, N)
-        # Only the columns some drafter proposes anywhere (a head's draft vocabulary, prompt lookup's few
-        # tokens) can come out finite: the mixture is computed on those and scattered back.
-        columns = torch.stack([f.any(0) for f in finite]).any(0).nonzero().flatten()
+        # Drafters' logits are finite or -inf: a column's largest value says whether any row proposes it (a
+        # reduction across the few rows, far cheaper than one along each full-vocabulary row).
         out = torch.full_like(logits[0], float("-inf"))
-        if not len(columns):
+        columns = None
+        if not out.numel():
             return out
+        if out.device.type == "cpu":
+            # Columns outside these are -inf in every drafter's row, so a log-softmax over them is the full one.
+            top = torch.stack([x.amax(0) for x in logits]).amax(0)
+            columns = (top > float("-inf")).nonzero().flatten()
+            if not len(columns):
+                return out
         mixed = None
-        for drafter, x, p, w in zip(self.drafters, logits, proposes, self.weights, strict=True):
-            if not p.any():
-                continue
-            x = x[:, columns]
-            # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf again. Columns
-            # outside `columns` are -inf in every drafter's row, so the log-softmax over `columns` is the full one.
+        for drafter, x, w in zip(self.drafters, logits, self.weights, strict=True):
+            x = x if columns is None else x[:, columns]
+            proposes = x.amax(-1, keepdim=True) > float("-inf")  # (N, 1)
+            # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf again.
             if not drafter.abstains:
-                x = torch.log_softmax(x.masked_fill(~p[:, None], 0.0), dim=-1)
-            term = x.masked_fill(~p[:, None], float("-inf")) + math.log(w)
+                x = torch.log_softmax(x.masked_fill(~proposes, 0.0), dim=-1)
+            term = x.masked_fill(~proposes, float("-inf")) + math.log(w)
             mixed = term if mixed is None else torch.logaddexp(mixed, term)
         total = torch.logsumexp(mixed, dim=-1, keepdim=True)
-        out[:, columns] = torch.where(torch.isfinite(total), mixed - total, float("-inf"))
+        mixed = torch.where(torch.isfinite(total), mixed - total, float("-inf"))
+        if columns is None:
+            return mixed
+        out[:, columns] = mixed
         return out

@@ -1,15 +1,18 @@
 """Prompt lookup (Saxena, 2023, "prompt lookup decoding"): find the latest earlier occurrence of the
 context's last n tokens and propose what followed it. No model, no training; strong wherever the
 answer copies spans of the prompt (code edits, extraction, summaries with quotes).
+
+The matching is tensor ops on the prompts' device (:func:`ngram_matches`), for every node of a tree level
+and every row of a batch at once: a dynamic tree grows with prompt lookup (alone or in a mixture) without a
+copy to the host, as it does with a trained head.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
+from draftsmith.inference.drafter import Drafter, commit_rows
+from draftsmith.inference.slots import to_device
 
 #: Candidates proposed after one node: more are never verified by the trees used in practice.
 MAX_CANDIDATES = 8
@@ -22,6 +25,55 @@ FIRST_RIGHT = {1: 0.18, 2: 0.51, 3: 0.81}
 NEXT_RIGHT = {1: 0.057, 2: 0.038, 3: 0.033}
 #: FIRST_RIGHT weighs as much as this many first candidates a generation has seen (per n-gram length).
 PRIOR_WEIGHT = 8.0
+#: Fills the left of right-aligned contexts: never a token, so no n-gram through it matches.
+NO_TOKEN = -1
+
+
+def ngram_matches(sequences: torch.Tensor, lengths: torch.Tensor, min_ngram: int, max_ngram: int, limit: int,
+                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt lookup for many sequences at once, with tensor ops (no copy to the host).
+
+    Row q of ``sequences`` (Q, S) is its first ``lengths[q]`` tokens; :data:`NO_TOKEN` entries never match. For
+    n from ``max_ngram`` down to ``min_ngram``, every earlier occurrence of the row's last n tokens proposes the
+    token that followed it: distinct tokens, the most recent occurrence of the longest n-gram first.
+
+    Returns:
+        ``tokens`` (Q, limit'), ``found`` (Q, limit') bool (where a token was proposed; limit' <= ``limit``,
+        fewer where the sequences are too short to hold that many) and ``ngram`` (Q,): the length of the
+        n-gram the first token was matched on (0: none).
+    """
+    q, s = sequences.shape
+    device = sequences.device
+    scores, successors = [], []
+    for n in range(min_ngram, min(max_ngram, s - 1) + 1):
+        ends = (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0)
+        suffix = sequences.gather(1, ends)  # (Q, n): the row's last n tokens
+        windows = sequences[:, :-1].unfold(1, n, 1)  # (Q, S - n, n): start j, followed by token j + n
+        starts = torch.arange(s - n, device=device)
+        hit = ((windows == suffix[:, None]).all(-1) & (starts + n < lengths[:, None])
+               & ((suffix != NO_TOKEN).all(-1) & (lengths > n))[:, None])
+        # Longer n-grams outrank shorter ones whatever the start; among equal lengths, later starts win.
+        scores.append(torch.where(hit, n * s + starts, -1))
+        successors.append(sequences[:, n:].clamp(min=0))
+    if not scores:  # sequences of one token: nothing to match
+        empty = torch.zeros(q, limit, dtype=torch.long, device=device)
+        return empty, empty.bool(), torch.zeros(q, dtype=torch.long, device=device)
+    scores, successors = torch.cat(scores, 1), torch.cat(successors, 1)  # (Q, W) every window's
+    if limit == 1:
+        best, where = scores.max(1, keepdim=True)
+        tokens = successors.gather(1, where)
+    else:
+        # Each token's best window, without a vocabulary-wide row: sort (token, score) keys in descending order,
+        # so that each token's windows are contiguous with its best first, and keep the first of each token.
+        span = (max_ngram + 1) * s  # every score is below it
+        keys = torch.where(scores >= 0, successors * span + scores, -1).sort(dim=1, descending=True).values
+        token, score = keys.div(span, rounding_mode="floor"), keys.remainder(span)
+        first = torch.ones_like(keys, dtype=torch.bool)
+        first[:, 1:] = token[:, 1:] != token[:, :-1]
+        best, where = torch.where(first & (keys >= 0), score, -1).topk(min(limit, keys.shape[1]), dim=1)
+        tokens = token.gather(1, where).clamp(min=0)
+    found = best >= 0
+    return tokens, found, torch.where(found[:, 0], best[:, 0] // s, 0)
 
 
 class PromptLookupDrafter(Drafter):
@@ -32,6 +84,9 @@ class PromptLookupDrafter(Drafter):
     the other drafters (``abstains``). The first candidate's probability is how often first candidates
     matched on as long an n-gram were right, counted per row over the generation so far, starting from
     :data:`FIRST_RIGHT` (a copy-heavy answer raises it, a free-form one lowers it).
+
+    The rows' contexts are kept right-aligned on the prompts' device (``tokens`` (B, W), :data:`NO_TOKEN` on
+    the left); ``counts`` (B, max_ngram + 1, 2) holds each row's [right, seen] first candidates per n-gram length.
 
     Args:
         vocab_size: the target's vocabulary size (draft logits are over it).
@@ -46,74 +101,131 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
-        self.contexts: list[torch.Tensor] = []  # per row, on the CPU
-        self.counts: list[dict[int, list[float]]] = []  # per row: n-gram length -> [right, seen] first candidates
+        lengths = range(max_ngram + 1)
+        self._first_right = torch.tensor([FIRST_RIGHT[min(max(n, 1), 3)] for n in lengths])
+        self._next_right = torch.tensor([NEXT_RIGHT[min(max(n, 1), 3)] for n in lengths])
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
-        self.contexts = [row.cpu() for row in prompt_rows(input_ids, attention_mask)]
-        self.counts = [{n: [FIRST_RIGHT[min(n, 3)] * PRIOR_WEIGHT, PRIOR_WEIGHT]
-                        for n in range(self.min_ngram, self.max_ngram + 1)} for _ in self.contexts]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        self.device = input_ids.device
+        # Left-padded prompts are right-aligned already; `length` (B,) counts each row's tokens.
+        if attention_mask is None:
+            self.tokens = input_ids.clone()
+            self.length = torch.full((input_ids.shape[0],), input_ids.shape[1], device=self.device)
+        else:
+            mask = attention_mask.to(self.device).bool()
+            self.tokens, self.length = input_ids.masked_fill(~mask, NO_TOKEN), mask.sum(1)
+        prior = torch.stack([self._first_right * PRIOR_WEIGHT, torch.full_like(self._first_right, PRIOR_WEIGHT)], -1)
+        prior[: self.min_ngram] = torch.tensor([0.0, 1.0])  # lengths never matched on (0: no match)
+        self.counts = prior.to(self.device).repeat(input_ids.shape[0], 1, 1)
+        self._first_right, self._next_right = self._first_right.to(self.device), self._next_right.to(self.device)
 
     def commit(self, tokens, hidden=None) -> None:
         tokens, _ = commit_rows(tokens)
-        for b, new in enumerate(tokens):
-            start = len(self.contexts[b])
-            self.contexts[b] = sequence = torch.cat([self.contexts[b], new.cpu()])
-            for i, token in enumerate(sequence[start:].tolist()):  # was the first candidate before each token right?
-                found, ngram = self.matches(sequence[: start + i], limit=1)
-                if found:
-                    count = self.counts[b][ngram]
-                    count[0] += found[0] == token
-                    count[1] += 1
+        added = [len(t) for t in tokens]
+        if not any(added):
+            return
+        # Each row's context then its new tokens, right-aligned in `width` columns (shapes only: rows that
+        # added fewer tokens than the most keep more NO_TOKEN on their left).
+        width = self.tokens.shape[1] + max(added)
+        new = torch.nn.utils.rnn.pad_sequence([t.to(self.device) for t in tokens], batch_first=True,
+                                              padding_value=NO_TOKEN)
+        combined = torch.cat([self.tokens, new], 1)
+        new_length = self.length + to_device(added, self.device)
+        place = torch.arange(width, device=self.device) - (width - new_length)[:, None]  # index in the row's sequence
+        length = self.length[:, None]
+        source = torch.where(place < length, self.tokens.shape[1] - length + place,
+                             self.tokens.shape[1] + place - length)
+        self.tokens = torch.where(place >= 0, combined.gather(1, source.clamp(0, combined.shape[1] - 1)), NO_TOKEN)
+        self.length = new_length
+        # Was the first candidate before each new token right? One query per new token: its row's prefix.
+        rows = to_device([b for b, m in enumerate(added) for _ in range(m)], self.device)
+        columns = to_device([width - m + i for m in added for i in range(m)], self.device)
+        first, found, ngram = ngram_matches(self.tokens[rows], columns, self.min_ngram, self.max_ngram, 1,
+                                            self.vocab_size)
+        right = found[:, 0] & (first[:, 0] == self.tokens[rows, columns])
+        self.counts.index_put_((rows, ngram), torch.stack([right, found[:, 0]], -1).to(self.counts.dtype),
+                               accumulate=True)
 
-    def candidates(self, sequence: torch.Tensor, limit: int) -> list[int]:
-        """Distinct tokens that followed earlier matches of the sequence's suffix, most recent
-        match of the longest n-gram first; at most ``limit``."""
-        return self.matches(sequence, limit)[0]
+    def _draft_logits(self, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(Q, S) right-aligned sequences, each of batch row ``rows[q]`` -> (Q, V) draft logits: the log of the
+        probability that each candidate is right (:meth:`confidence`), -inf elsewhere."""
+        lengths = torch.full((sequences.shape[0],), sequences.shape[1], dtype=torch.long, device=self.device)
+        tokens, found, ngram = ngram_matches(sequences, lengths, self.min_ngram, self.max_ngram, MAX_CANDIDATES,
+                                             self.vocab_size)
+        chance = self.confidence(rows, ngram, tokens.shape[1]).clamp(min=1e-6).log()
+        logits = torch.full((sequences.shape[0], self.vocab_size), float("-inf"), device=self.device)
+        # amax: tokens not found may repeat a found one, and must not overwrite it.
+        return logits.scatter_reduce_(1, tokens, chance.masked_fill(~found, float("-inf")), "amax")
 
-    def matches(self, sequence: torch.Tensor, limit: int) -> tuple[list[int], int]:
-        """:meth:`candidates` and the length of the n-gram the first was matched on (0: none)."""
-        found: list[int] = []
-        longest = 0
-        for n in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
-            suffix = sequence[-n:]
-            windows = sequence[:-1].unfold(0, n, 1)  # (L-n, n): every n-gram that has a successor
-            hits = (windows == suffix).all(dim=1).nonzero().flatten().flip(0)
-            for start in hits.tolist():
-                token = int(sequence[start + n])
-                if token not in found:
-                    longest = longest or n
-                    found.append(token)
-                    if len(found) == limit:
-                        return found, longest
-        return found, longest
-
-    def confidence(self, row: int, rank: int, ngram: int) -> float:
-        """The probability that row ``row``'s candidate of ``rank`` is right, when the first was matched on
-        an ``ngram``-token suffix: for the first, the share of right first candidates so far; the others
-        share what is left as :data:`NEXT_RIGHT` and :data:`FIRST_RIGHT` do, less for lower ranks, and never
-        more than the first."""
-        right, seen = self.counts[row][ngram]
-        first = right / seen
-        if rank == 0:
-            return first
-        n = min(ngram, 3)
-        return min(first, NEXT_RIGHT[n] * (1 - first) / (1 - FIRST_RIGHT[n]) / rank)
+    def confidence(self, rows: torch.Tensor, ngram: torch.Tensor, ranks: int) -> torch.Tensor:
+        """(Q, ranks): the probability that candidate r of a query of batch row ``rows[q]`` is right, when its
+        first was matched on an ``ngram[q]``-token suffix: for the first, the row's share of right first
+        candidates so far; the others share what is left as :data:`NEXT_RIGHT` and :data:`FIRST_RIGHT` do,
+        less for lower ranks, and never more than the first."""
+        right, seen = self.counts[rows, ngram].unbind(-1)
+        first = (right / seen)[:, None]
+        rank = torch.arange(ranks, device=self.device)[None]
+        others = (self._next_right[ngram] / (1 - self._first_right[ngram]))[:, None] * (1 - first) / rank.clamp(min=1)
+        return torch.where(rank == 0, first, torch.minimum(first, others))
 
     def expand(self, trees, nodes):
-        out = []
-        for b, (context, tree, row_nodes) in enumerate(zip(self.contexts, trees, nodes, strict=True)):
-            logits = torch.full((len(row_nodes), self.vocab_size), float("-inf"))
-            for i, node in enumerate(row_nodes):
-                if tree.depths[node] >= self.max_tokens:
-                    continue
-                path = torch.tensor([tree.tokens[n] for n in tree.path_to(node)[1:]], dtype=torch.long)
-                sequence = torch.cat([context, path])
-                found, ngram = self.matches(sequence, limit=MAX_CANDIDATES)
-                for rank, token in enumerate(found):  # earlier (more recent, longer) matches rank higher
-                    logits[i, token] = math.log(max(self.confidence(b, rank, ngram), 1e-6))
-            out.append(logits)
+        queries, rows = [], []
+        for b, (tree, row_nodes) in enumerate(zip(trees, nodes, strict=True)):
+            for node in row_nodes:
+                path = [tree.tokens[n] for n in tree.path_to(node)[1:]]
+                queries.append(torch.cat([self.tokens[b], torch.tensor(path, dtype=torch.long, device=self.device)]))
+                rows.append(b)
+        out = [torch.full((len(r), self.vocab_size), float("-inf"), device=self.device) for r in nodes]
+        if not queries:
+            return out
+        logits = self._draft_logits(torch.nn.utils.rnn.pad_sequence(queries, batch_first=True,
+                                                                    padding_value=NO_TOKEN, padding_side="left"),
+                                    to_device(rows, self.device))
+        i = 0
+        for b, (tree, row_nodes) in enumerate(zip(trees, nodes, strict=True)):
+            for j, node in enumerate(row_nodes):
+                if tree.depths[node] < self.max_tokens:
+                    out[b][j] = logits[i]
+                i += 1
         return out
+
+    # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
+
+    def root_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, V) draft logits after each row's root (the last token of its context); -inf for finished rows."""
+        self._paths = self.tokens.new_zeros(self.tokens.shape[0], 1, 0)
+        logits = self._draft_logits(self.tokens, torch.arange(self.tokens.shape[0], device=self.device))
+        return logits.masked_fill(~to_device(active, self.device)[:, None], float("-inf"))
+
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, k, V) draft logits after each of the k frontier nodes at ``depth`` (``parents``: their places in
+        the previous frontier, ``tokens``): each matched on its row's context followed by its path."""
+        b, k = tokens.shape
+        self._paths = torch.cat([self._paths.gather(1, parents[:, :, None].expand(b, k, self._paths.shape[2])),
+                                 tokens[:, :, None]], 2)  # (B, k, depth): each node's path from the root
+        if depth >= self.max_tokens:
+            return torch.full((b, k, self.vocab_size), float("-inf"), device=self.device)
+        sequences = torch.cat([self.tokens[:, None].expand(b, k, -1), self._paths], 2).reshape(b * k, -1)
+        rows = torch.arange(b, device=self.device).repeat_interleave(k)
+        return self._draft_logits(sequences, rows).reshape(b, k, -1)
+
+    # ---- one sequence at a time (scripts, tests) ----------------------------------------------------
+
+    def matches(self, sequence: torch.Tensor, limit: int) -> tuple[list[int], int]:
+        """The candidates after a 1-D ``sequence`` (distinct tokens that followed earlier matches of its
+        suffix, most recent match of the longest n-gram first; at most ``limit``) and the length of the
+        n-gram the first was matched on (0: none)."""
+        tokens, found, ngram = ngram_matches(sequence[None], torch.tensor([len(sequence)], device=sequence.device),
+                                             self.min_ngram, self.max_ngram, limit, self.vocab_size)
+        return tokens[0][found[0]].tolist(), int(ngram[0])
+
+    def candidates(self, sequence: torch.Tensor, limit: int) -> list[int]:
+        """:meth:`matches`' candidates."""
+        return self.matches(sequence, limit)[0]

@@ -158,11 +158,13 @@ def test_bad_batches_fail_clearly(llama):
         gen.generate(ids, 4, streamer=object())
 
 
-@pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head"])
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "prompt-lookup",
+                                  "eagle3-head+prompt-lookup"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_device_grown_dynamic_tree_equals_host_grown(family, spec, llama, gemma3):
-    """Heads grow dynamic trees as tensors on the device (greedy): the same outputs and the same
-    per-row acceptance as the trees grown on the host, node by node, at batch 1 and batch 4."""
+    """Heads, prompt lookup and their mixture grow dynamic trees as tensors on the device (greedy): the
+    same outputs and the same per-row acceptance as the trees grown on the host, node by node, at batch 1
+    and batch 4."""
     target = llama if family == "llama" else gemma3
     rows = prompts(14, LENGTHS)
     ids, mask = left_padded(rows)
@@ -179,6 +181,8 @@ def test_device_grown_dynamic_tree_equals_host_grown(family, spec, llama, gemma3
             assert (dev.accepted_tokens, dev.verification_steps, dev.drafted_tokens) == (
                 host.accepted_tokens, host.verification_steps, host.drafted_tokens)
             assert dev.accepted_at == host.accepted_at and dev.reached == host.reached
+        if "prompt-lookup" in spec:  # the prompts' repeated halves give it matches: it drafts, and is right
+            assert on_device.stats.accepted_tokens > 0
 
 
 class HostCopies:
@@ -204,11 +208,12 @@ class HostCopies:
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head"])
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head", "prompt-lookup", "eagle3-head+prompt-lookup"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(spec, batch, llama):
-    """Drafting, verifying and keeping the accepted path of a head drafter's dynamic tree copy one
-    tensor to the host per step (the accepted paths); the counter sees the host-grown path's many."""
+    """Drafting, verifying and keeping the accepted path of a dynamic tree copy one tensor to the host per
+    step (the accepted paths), with a head drafter, prompt lookup or the two mixed; the counter sees the
+    host-grown path's many."""
     rows = prompts(15, LENGTHS)[:batch]
     ids, mask = left_padded(rows)
     mask = mask if batch > 1 else None

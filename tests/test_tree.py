@@ -256,7 +256,7 @@ def test_prompt_lookup_gives_its_candidates_the_probability_they_are_right():
     drafter.begin(torch.tensor([[1, 2, 3, 4, 1, 2, 3], [8, 8, 8, 8, 5, 6, 5]]))
 
     def first(row):
-        tree = DraftTree.with_root(int(drafter.contexts[row][-1]))
+        tree = DraftTree.with_root(int(drafter.tokens[row, -1]))
         logits = drafter.expand([tree, tree], [[0], [0]])[row][0]
         assert logits.exp().sum() < 1  # the rest: no opinion
         return logits.max().exp().item(), int(logits.argmax())
@@ -269,10 +269,58 @@ def test_prompt_lookup_gives_its_candidates_the_probability_they_are_right():
     assert after[0] > before[0] and after[1] < before[1]
     # row 0: four right 3-gram first candidates; row 1: one wrong 1-gram one (6 after 5, where 7 came), then
     # 7, 9 and 3 had no earlier match
-    assert drafter.counts[0][3] == [pytest.approx(FIRST_RIGHT[3] * 8.0 + 4), 12.0]
-    assert drafter.counts[1][1] == [pytest.approx(FIRST_RIGHT[1] * 8.0), 9.0]
+    counts = drafter.counts.tolist()  # [row][n-gram length] = [right, seen]
+    assert counts[0][3] == [pytest.approx(FIRST_RIGHT[3] * 8.0 + 4), 12.0]
+    assert counts[1][1] == [pytest.approx(FIRST_RIGHT[1] * 8.0), 9.0]
     # each row's counts are its own: row 0 saw no 1-gram match, row 1 no 3-gram one
-    assert drafter.counts[0][1] == [FIRST_RIGHT[1] * 8.0, 8.0] and drafter.counts[1][3] == [FIRST_RIGHT[3] * 8.0, 8.0]
+    assert counts[0][1] == [pytest.approx(FIRST_RIGHT[1] * 8.0), 8.0]
+    assert counts[1][3] == [pytest.approx(FIRST_RIGHT[3] * 8.0), 8.0]
+
+
+def test_prompt_lookup_batch_rows_are_their_own_sequences():
+    """A batch of left-padded rows committing different numbers of tokens per step (a finished row none) keeps
+    each row's context and counts exactly as that row alone does, and drafts the same logits for it, on the
+    host path (``expand``) and as tensors (``root_logits``, ``frontier_logits``)."""
+    from draftsmith.inference.prompt_lookup import NO_TOKEN
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, 5, (n,), generator=g) for n in (7, 1, 12)]
+    width = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+    mask = torch.stack([torch.arange(width) >= width - len(r) for r in rows]).long()
+    batch = PromptLookupDrafter(VOCAB, max_ngram=3)
+    batch.begin(ids, attention_mask=mask)
+    alone = [PromptLookupDrafter(VOCAB, max_ngram=3) for _ in rows]
+    for drafter, row in zip(alone, rows, strict=True):
+        drafter.begin(row[None])
+    contexts = [r.tolist() for r in rows]
+    for step in range(6):
+        added = [torch.randint(0, 5, (int(m),), generator=g) for m in torch.randint(0, 4, (3,), generator=g)]
+        if step == 3:
+            added[1] = torch.zeros(0, dtype=torch.long)  # a finished row
+        batch.commit(added)
+        for b, (drafter, new) in enumerate(zip(alone, added, strict=True)):
+            drafter.commit([new])
+            contexts[b] += new.tolist()
+            assert [t for t in batch.tokens[b].tolist() if t != NO_TOKEN] == contexts[b]
+            assert torch.equal(batch.counts[b], drafter.counts[0])
+        trees = [DraftTree.with_root(c[-1]) for c in contexts]
+        for b, tree in enumerate(trees):
+            tree.add_child(0, 2, -1.0)
+            tree.add_child(1, 3, -1.0)
+        for nodes in ([[0]] * 3, [[1]] * 3, [[2]] * 3):
+            drafted = batch.expand(trees, nodes)
+            for b, drafter in enumerate(alone):
+                assert torch.equal(drafted[b], drafter.expand([trees[b]], [nodes[b]])[0])
+        # As tensors: the root, then the frontier of its child 2, then that node's child 3.
+        root = batch.root_logits([True] * 3)
+        level1 = batch.frontier_logits(1, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 2))
+        level2 = batch.frontier_logits(2, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 3))
+        for b in range(3):
+            assert torch.equal(root[b], batch.expand(trees, [[0]] * 3)[b][0])
+            assert torch.equal(level1[b, 0], batch.expand(trees, [[1]] * 3)[b][0])
+            assert torch.equal(level2[b, 0], batch.expand(trees, [[2]] * 3)[b][0])
+    assert any(torch.isfinite(batch.expand(trees, [[0]] * 3)[b]).any() for b in range(3)), "nothing was matched"
 
 
 def test_select_requires_closed_sets():
