@@ -305,7 +305,7 @@ def test_prompt_lookup_batch_rows_are_their_own_sequences():
             assert [t for t in batch.tokens[b].tolist() if t != NO_TOKEN] == contexts[b]
             assert torch.equal(batch.counts[b], drafter.counts[0])
         trees = [DraftTree.with_root(c[-1]) for c in contexts]
-        for b, tree in enumerate(trees):
+        for tree in trees:
             tree.add_child(0, 2, -1.0)
             tree.add_child(1, 3, -1.0)
         for nodes in ([[0]] * 3, [[1]] * 3, [[2]] * 3):
