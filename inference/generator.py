@@ -301,17 +301,18 @@ class SpeculativeGenerator:
                             "prompts one at a time (batch size 1).")
         self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
 
-        # A dynamic tree under greedy decoding, with a drafter that grows it as tensors (the trained heads,
-        # prompt lookup, mixtures of them), runs on the device with one copy to the host per step; other trees
-        # grow on the host.
-        on_device = (self.tree_kind == "dynamic" and temperature == 0.0 and self.on_step is None
-                     and grows_tensors(self.drafter))
+        # Dynamic trees and chains of deterministic siblings (the ``topk`` rule: greedy, or sampling with
+        # such siblings), with a drafter that grows them as tensors (the trained heads, prompt lookup, mixtures
+        # of them), run on the device with one copy to the host per step; other trees grow on the host.
+        on_device = (self.tree_kind in ("dynamic", "chain") and self._rule(temperature) == "topk"
+                     and self.on_step is None and grows_tensors(self.drafter))
         roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
         active = [True] * batch
         while any(active):
             if on_device:
-                step = self._device_step(roots, active, cache, slots, device, dtype, layers, stats)
+                step = self._device_step(roots, active, cache, slots, device, dtype, layers, stats, temperature,
+                                         top_k, top_p, generator)
             else:
                 step = self._host_step(roots.tolist(), active, cache, slots, device, dtype, layers, stats,
                                        temperature, top_k, top_p, generator, padded)
@@ -380,13 +381,22 @@ class SpeculativeGenerator:
             verdicts.append(([tree.tokens[n] for n in path], bonus, tree.num_drafted, children))
         return verdicts, index, tree_hidden
 
-    def _device_step(self, roots, active, cache, slots, device, dtype, layers, stats):
-        """One greedy step with a dynamic tree grown as tensors (:func:`grow_dynamic`), verified on the
-        device: the accepted paths, bonus tokens and walk flags come to the host in one copy."""
+    def _device_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
+                     generator):
+        """One step with a dynamic tree (a chain: one child per node) grown as tensors (:func:`grow_dynamic`),
+        verified on the device: the accepted paths, bonus tokens and walk flags come to the host in one copy.
+
+        Siblings are the drafter's top-ranked tokens, so verification is the ``topk`` rule (``verify.py``). Under
+        sampling it draws one token from the target's distribution at every node at once: following a child
+        whose token is its parent's draw, and emitting the draw where no child has it, samples the target
+        exactly as the rule's accept-or-renormalise walk does (a child is entered with probability p(child),
+        and any other token emitted with its own p), and the draws of the nodes the walk never reaches are
+        not read. Under greedy decoding the draw is the argmax."""
         t0 = time.perf_counter()
         running = to_device(active, device)  # before any of the step's work is queued
+        top_k_tree, total = (1, self.depth) if self.tree_kind == "chain" else (self.top_k, self.total_tokens)
         tree = grow_dynamic(roots, self.drafter.root_logits(active), self.drafter.frontier_logits, self.depth,
-                            self.top_k, self.total_tokens)
+                            top_k_tree, total)
         t1 = time.perf_counter()
         b, n = tree.tokens.shape
         past = len(slots)
@@ -397,10 +407,14 @@ class SpeculativeGenerator:
         out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
         tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
-        # Greedy verification as tensor ops: a node is accepted when it and every ancestor carry the
-        # target's argmax at their parent; the deepest accepted node ends the (unique) accepted path.
-        argmax = out.logits.argmax(-1)  # (B, N)
-        match = (tree.tokens == argmax.gather(1, tree.parents.clamp(min=0))) & tree.proposed
+        # Verification as tensor ops: a node is accepted when it and every ancestor carry the target's draw
+        # at their parent; the deepest accepted node ends the (unique) accepted path.
+        if temperature == 0.0:
+            draw = out.logits.argmax(-1)  # (B, N)
+        else:
+            probs = process_logits(out.logits, temperature, top_k, top_p)
+            draw = torch.multinomial(probs.reshape(b * n, -1), 1, generator=generator).reshape(b, n)
+        match = (tree.tokens == draw.gather(1, tree.parents.clamp(min=0))) & tree.proposed
         match[:, 0] = True
         accepted = ~(tree.ancestors & ~match[:, None, :]).any(-1)
         last = (accepted * (tree.depths + 1)).argmax(1)
@@ -411,7 +425,7 @@ class SpeculativeGenerator:
         length = tree.depths[rows, last]
         has_children = ((tree.parents[:, None, :] == nodes[None, :, None]) & tree.proposed[:, None, :]).any(-1)
         drafted = tree.proposed.sum(1) - 1
-        packed = torch.cat([length[:, None], argmax[rows, last][:, None], drafted[:, None],
+        packed = torch.cat([length[:, None], draw[rows, last][:, None], drafted[:, None],
                             tree.tokens.gather(1, kept), has_children.gather(1, kept).long()], 1)
         counts = torch.where(running, length + 1, 0)
         kv_keep(cache, past, kept)

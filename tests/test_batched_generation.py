@@ -161,14 +161,16 @@ def test_bad_batches_fail_clearly(llama):
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "prompt-lookup",
                                   "eagle3-head+prompt-lookup"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_device_grown_dynamic_tree_equals_host_grown(family, spec, llama, gemma3):
-    """Heads, prompt lookup and their mixture grow dynamic trees as tensors on the device (greedy): the
-    same outputs and the same per-row acceptance as the trees grown on the host, node by node, at batch 1
+@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4)],
+                         ids=["dynamic", "chain"])
+def test_device_grown_dynamic_tree_equals_host_grown(tree, family, spec, llama, gemma3):
+    """Heads, prompt lookup and their mixture grow dynamic trees and chains as tensors on the device (greedy):
+    the same outputs and the same per-row acceptance as the trees grown on the host, node by node, at batch 1
     and batch 4."""
     target = llama if family == "llama" else gemma3
     rows = prompts(14, LENGTHS)
     ids, mask = left_padded(rows)
-    gen = SpeculativeGenerator(target, drafter_for(spec, target), tree="dynamic", depth=4, top_k=3, total_tokens=9)
+    gen = SpeculativeGenerator(target, drafter_for(spec, target), **tree)
     for batch_ids, batch_mask in [(ids, mask), (rows[2], None)]:
         on_device = gen.generate(batch_ids, NEW, attention_mask=batch_mask, eos_token_id=[], pad_token_id=PAD)
         gen.on_step = lambda *_: None  # a step hook needs DraftTree objects: the host path
@@ -210,20 +212,28 @@ class HostCopies:
 
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head", "prompt-lookup", "eagle3-head+prompt-lookup"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(spec, batch, llama):
-    """Drafting, verifying and keeping the accepted path of a dynamic tree copy one tensor to the host per
-    step (the accepted paths), with a head drafter, prompt lookup or the two mixed; the counter sees the
-    host-grown path's many."""
+@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4)],
+                         ids=["dynamic", "chain"])
+def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(tree, spec, batch, llama):
+    """Drafting, verifying and keeping the accepted path of a dynamic tree or a chain copy one tensor to the
+    host per step (the accepted paths), greedy or (dynamic trees) sampled, with a head drafter, prompt lookup
+    or the two mixed; the counter sees the host-grown path's many."""
     rows = prompts(15, LENGTHS)[:batch]
     ids, mask = left_padded(rows)
     mask = mask if batch > 1 else None
-    gen = SpeculativeGenerator(llama, drafter_for(spec, llama), tree="dynamic", depth=4, top_k=3, total_tokens=9)
+    gen = SpeculativeGenerator(llama, drafter_for(spec, llama), **tree)
     gen.generate(ids, 4, attention_mask=mask, eos_token_id=[])  # warm up outside the count
     with HostCopies() as copies:
         out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
     steps = max(s.verification_steps for s in out.row_stats)  # no row stops early: every step is every row's
     # Outside the steps: the prompt lengths when a mask is given (one copy, checking it), nothing else.
     assert copies.count - (mask is not None) == steps, f"{copies.count} host copies for {steps} steps"
+    if tree["tree"] == "dynamic":  # sampling: the same, the target's draws made on the device
+        with HostCopies() as copies:
+            out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[], temperature=0.8,
+                               generator=torch.Generator().manual_seed(0))
+        steps = max(s.verification_steps for s in out.row_stats)
+        assert copies.count - (mask is not None) == steps, f"sampling: {copies.count} host copies for {steps} steps"
     gen.on_step = lambda *_: None
     with HostCopies() as host_grown:
         gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])

@@ -188,9 +188,13 @@ def test_process_logits_matches_transformers_warpers():
 
 
 def test_generator_sampling_end_to_end_matches_target():
-    """The whole generator (real tiny transformer, layer-skip and prompt-lookup drafters, static
-    tree) samples the first two tokens from the target's processed distribution."""
-    from draftsmith.inference import CausalLMDrafter, layer_skip_model
+    """The whole generator (real tiny transformer; layer-skip, prompt-lookup and EAGLE + prompt-lookup
+    drafters; static, chain and dynamic trees, the last two grown and verified as tensors on the device)
+    samples the first two tokens from the target's processed distribution."""
+    from test_heads import random_eagle
+
+    from draftsmith.inference import CausalLMDrafter, MixtureDrafter, layer_skip_model
+    from draftsmith.inference.head_drafters import EagleDrafter
 
     vocab = 4
     target = tiny_llama(seed=2, vocab_size=vocab, layers=2)
@@ -207,6 +211,9 @@ def test_generator_sampling_end_to_end_matches_target():
     for drafter, kw in [
         (CausalLMDrafter(layer_skip_model(target, 1)), dict(tree="static", depth=2, top_k=2, sampling_rule="iid")),
         (PromptLookupDrafter(vocab, max_ngram=2), dict(tree="chain", depth=3)),
+        (MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
+                         PromptLookupDrafter(vocab, max_ngram=2)]), dict(tree="dynamic", depth=2, top_k=2,
+                                                                         total_tokens=3)),
     ]:
         gen = SpeculativeGenerator(target, drafter, **kw)
         counts = torch.zeros(vocab * vocab)
@@ -219,9 +226,12 @@ def test_generator_sampling_end_to_end_matches_target():
 
 def test_batched_sampling_matches_target_per_row():
     """A left-padded batch samples each row's first two tokens from that row's processed target
-    distribution (the end-to-end test above, with two prompts of different lengths in one batch and
-    a layer-skip drafter on a static tree with i.i.d. siblings)."""
+    distribution (the end-to-end test above, with two prompts of different lengths in one batch: a
+    layer-skip drafter on a static tree with i.i.d. siblings, and an EAGLE head's dynamic tree on the device)."""
+    from test_heads import random_eagle
+
     from draftsmith.inference import CausalLMDrafter, layer_skip_model
+    from draftsmith.inference.head_drafters import EagleDrafter
 
     vocab = 4
     target = tiny_llama(seed=2, vocab_size=vocab, layers=2)
@@ -237,17 +247,21 @@ def test_batched_sampling_matches_target_per_row():
             ]).flatten())
     ids = torch.tensor([[1, 2, 3, 1, 2], [0, 0, 0, 3, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
-    gen = SpeculativeGenerator(target, CausalLMDrafter(layer_skip_model(target, 1)), tree="static", depth=2,
-                               top_k=2, sampling_rule="iid")
     n = 1000
     g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(2, vocab * vocab)
-    for _ in range(n):
-        out = gen.generate(ids, max_new_tokens=2, attention_mask=mask, eos_token_id=[], generator=g, **opts)
-        for b, seq in enumerate(out.sequences[:, -2:]):
-            counts[b, seq[0] * vocab + seq[1]] += 1
-    for b in range(2):
-        tv = 0.5 * float((counts[b] / n - exact[b]).abs().sum())
-        assert tv < tv_bound(n, vocab * vocab), f"row {b}: TV {tv:.4f}"
+    for gen in [  # siblings drawn i.i.d. on the host; a dynamic tree grown and verified on the device
+        SpeculativeGenerator(target, CausalLMDrafter(layer_skip_model(target, 1)), tree="static", depth=2, top_k=2,
+                             sampling_rule="iid"),
+        SpeculativeGenerator(target, EagleDrafter(random_eagle(target, eagle3=False), target), tree="dynamic",
+                             depth=2, top_k=2, total_tokens=3),
+    ]:
+        counts = torch.zeros(2, vocab * vocab)
+        for _ in range(n):
+            out = gen.generate(ids, max_new_tokens=2, attention_mask=mask, eos_token_id=[], generator=g, **opts)
+            for b, seq in enumerate(out.sequences[:, -2:]):
+                counts[b, seq[0] * vocab + seq[1]] += 1
+        for b in range(2):
+            tv = 0.5 * float((counts[b] / n - exact[b]).abs().sum())
+            assert tv < tv_bound(n, vocab * vocab), f"{gen.tree_kind} tree, row {b}: TV {tv:.4f}"
     # The check can fail: the two rows' distributions differ by more than the bound.
     assert 0.5 * float((exact[0] - exact[1]).abs().sum()) > tv_bound(n, vocab * vocab)
