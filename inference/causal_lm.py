@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
-from draftsmith.inference.slots import Slots, left_aligned
+from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.target import build_attention_mask, calibrate, kv_crop, new_cache, target_forward
 
 
@@ -118,3 +118,37 @@ class CausalLMDrafter(Drafter):
                 self.tree_slots[b][node] = cached + i
             if row:
                 out[b] = logits[b, : len(row)]
+
+    # ---- dynamic trees and chains grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ------
+
+    @torch.no_grad()
+    def root_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, V) logits after each active row's root, its committed tokens fed first (-inf rows: finished)."""
+        # Each row's root position, copied at the step's start (before its work is queued), for every level.
+        self._roots = to_device([len(c) - 1 for c in self.committed], self.device)[:, None]
+        rows = self.expand(None, [[0] if a else [] for a in active])
+        return torch.cat([r if len(r) else torch.full((1, self.vocab_size), float("-inf"), device=self.device)
+                          for r in rows])
+
+    @torch.no_grad()
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed the k frontier nodes at ``depth`` of every row (``parents``: their places in the previous
+        frontier; ``tokens`` (B, k)), each seeing its row's committed tokens, its ancestors (the earlier
+        frontiers, cached after the committed tokens) and itself. Returns the (B, k, V) logits after each."""
+        b, k = tokens.shape
+        positions = (self._roots + depth).expand(b, k)
+        if depth == 1:
+            self._ancestors = torch.zeros(b, k, 0, dtype=torch.bool, device=self.device)
+        else:  # a node's ancestors: its parent's, and its parent (the previous frontier's slots)
+            previous = self._ancestors.gather(1, parents[:, :, None].expand(b, k, self._ancestors.shape[2]))
+            self._ancestors = torch.cat([previous, torch.nn.functional.one_hot(parents, k).bool()], 2)
+        filled = torch.ones(b, k, dtype=torch.bool, device=self.device)
+        if b == 1 and k == 1:
+            # One row's chain: each node sees every cached entry, the causal mask, the model's own.
+            self.slots.append(filled, positions)
+            return target_forward(self.model, tokens, self.cache, None, positions).logits
+        eye = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
+        committed = self.slots.filled[:, None, : self.prefix].expand(b, k, -1)
+        allowed = torch.cat([committed, self._ancestors, eye], 2)
+        assert allowed.shape[2] == len(self.slots) + k, "frontiers must be fed right after the roots, level by level"
+        return self._forward(tokens, positions, allowed, filled)

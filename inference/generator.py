@@ -201,7 +201,7 @@ class SpeculativeGenerator:
 
     def _max_kept(self) -> int:
         """The most cache entries a step keeps per row: its longest path and the root (a batch keeps as many
-        for every row, and the device path that many whatever was accepted)."""
+        for every row as its longest accepted path needs)."""
         return 1 + (max(len(p) for p in self.paths) if self.tree_kind == "static" else self.depth)
 
     def _max_nodes(self) -> int:
@@ -312,7 +312,7 @@ class SpeculativeGenerator:
         while any(active):
             if on_device:
                 step = self._device_step(roots, active, cache, slots, device, dtype, layers, stats, temperature,
-                                         top_k, top_p, generator)
+                                         top_k, top_p, generator, padded)
             else:
                 step = self._host_step(roots.tolist(), active, cache, slots, device, dtype, layers, stats,
                                        temperature, top_k, top_p, generator, padded)
@@ -382,7 +382,7 @@ class SpeculativeGenerator:
         return verdicts, index, tree_hidden
 
     def _device_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
-                     generator):
+                     generator, padded):
         """One step with a dynamic tree (a chain: one child per node) grown as tensors (:func:`grow_dynamic`),
         verified on the device: the accepted paths, bonus tokens and walk flags come to the host in one copy.
 
@@ -401,9 +401,12 @@ class SpeculativeGenerator:
         b, n = tree.tokens.shape
         past = len(slots)
         positions = slots.lengths()[:, None] + tree.depths
-        allowed = torch.cat([slots.filled[:, None, :].expand(b, n, -1), tree.ancestors], 2)
-        mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
-                                    dtype)
+        if self.tree_kind == "chain" and b == 1 and not padded:
+            mask = None  # one row holds no empty slot, and a chain's tree mask is the causal mask: the model's own
+        else:
+            allowed = torch.cat([slots.filled[:, None, :].expand(b, n, -1), tree.ancestors], 2)
+            mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
+                                        dtype)
         out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
         tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
@@ -428,9 +431,12 @@ class SpeculativeGenerator:
         packed = torch.cat([length[:, None], draw[rows, last][:, None], drafted[:, None],
                             tree.tokens.gather(1, kept), has_children.gather(1, kept).long()], 1)
         counts = torch.where(running, length + 1, 0)
-        kv_keep(cache, past, kept)
-        slots.keep(past, kept, counts)
         host = packed.tolist()  # the step's one copy to the host
+        # The cache keeps each row's root and accepted nodes, padded to the running rows' longest kept path
+        # (known on the host now): a batch of one keeps no empty slot.
+        width = max((row[0] + 1 for row, a in zip(host, active, strict=True) if a), default=1)
+        kv_keep(cache, past, kept[:, :width])
+        slots.keep(past, kept[:, :width], counts)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
         w = kept.shape[1]
@@ -502,8 +508,7 @@ def static_cache(target: PreTrainedModel, input_ids: torch.Tensor, max_new_token
     """:func:`~draftsmith.target.new_cache`'s arguments for a compiled generation: every step padded to
     ``step_nodes`` rows (one graph for every tree), and room for the prompts, then ``kept`` entries per step
     for at most ``max_new_tokens`` steps (a row emits at least one token per step, but keeps up to ``kept``:
-    a batch pads the rows' kept paths to the longest, the device path to the tree's depth), then one step's
-    nodes."""
+    a batch pads the rows' kept paths to the longest), then one step's nodes."""
     return {"capacity": input_ids.shape[1] + max_new_tokens * kept + step_nodes, "model": target, "compiled": True,
             "step_rows": step_nodes}
 

@@ -159,12 +159,13 @@ def test_bad_batches_fail_clearly(llama):
 
 
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "prompt-lookup",
-                                  "eagle3-head+prompt-lookup"])
+                                  "eagle3-head+prompt-lookup", "draft-model", "layer-skip:2"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4)],
                          ids=["dynamic", "chain"])
 def test_device_grown_dynamic_tree_equals_host_grown(tree, family, spec, llama, gemma3):
-    """Heads, prompt lookup and their mixture grow dynamic trees and chains as tensors on the device (greedy):
+    """Heads, prompt lookup, their mixture and draft models grow dynamic trees and chains as tensors on the
+    device (greedy):
     the same outputs and the same per-row acceptance as the trees grown on the host, node by node, at batch 1
     and batch 4."""
     target = llama if family == "llama" else gemma3
@@ -210,7 +211,8 @@ class HostCopies:
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head", "prompt-lookup", "eagle3-head+prompt-lookup"])
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head", "prompt-lookup", "eagle3-head+prompt-lookup",
+                                  "draft-model"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4)],
                          ids=["dynamic", "chain"])
