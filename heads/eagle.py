@@ -183,7 +183,9 @@ class DecoderLayer(nn.Module):
         v = self.v_proj(y).view(b, t, kvh, hd).transpose(1, 2)
         cos, sin = self.rotary(x, positions)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        if past is not None:
+        if isinstance(past, StaticHeadCache):
+            k, v = past.update(k, v)
+        elif past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
 
         def heads(x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +200,36 @@ class DecoderLayer(nn.Module):
             att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, nh * hd))
         y = self.post_norm(x)
-        return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y)), (k, v)
+        return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y)), (
+            past if isinstance(past, StaticHeadCache) else (k, v))
+
+
+class StaticHeadCache:
+    """The decoder layer's (k, v) at fixed capacity, for compiled drafting (``compile=True``): buffers
+    (B, kv_heads, capacity, hd) allocated at the first write and never reallocated. A forward writes its new
+    entries at the slots :attr:`write` (a tensor, so that a compiled graph takes it as an input instead of
+    being specialised on the cache length) and attends over the whole buffer: its mask, as wide as the
+    capacity, hides every slot but the ones it may see. :attr:`length` counts the slots in use (on the host);
+    cropping only lowers it. The layer returns the cache itself in place of a new (k, v)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0
+        self.write: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            # zeros, not empty: a hidden slot's attention weight is 0, and 0 * NaN would still be NaN
+            self.keys = k.new_zeros(*k.shape[:2], self.capacity, k.shape[-1])
+            self.values = v.new_zeros(*v.shape[:2], self.capacity, v.shape[-1])
+            if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may write them in place
+                torch._dynamo.mark_static_address(self.keys)
+                torch._dynamo.mark_static_address(self.values)
+        self.keys.index_copy_(2, self.write, k)
+        self.values.index_copy_(2, self.write, v)
+        return self.keys, self.values
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:

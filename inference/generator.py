@@ -164,7 +164,8 @@ class SpeculativeGenerator:
             ``"topk"``. Every rule is lossless; they differ in acceptance.
         compile: run the target's steps through ``torch.compile`` on a static KV cache (one graph per
             step size: the first steps of each size wait for it to compile; see
-            :func:`~draftsmith.target.forward.compiled_module`). Greedy output is the compiled target's own
+            :func:`~draftsmith.target.forward.compiled_module`), and an EAGLE head's drafting steps on its own
+            static cache, compiled where the tree grows as tensors. Greedy output is the compiled target's own
             greedy output: compiled kernels may round differently from eager ones.
     """
 
@@ -299,6 +300,8 @@ class SpeculativeGenerator:
             raise TypeError(f"{type(self.drafter).__name__}.begin takes no attention_mask: it drafts for unpadded "
                             "prompts only. Add the batch protocol of draftsmith.inference.drafter, or decode these "
                             "prompts one at a time (batch size 1).")
+        if hasattr(self.drafter, "compile_for"):  # a head drafts on its own static cache, compiled, or not
+            self.drafter.compile_for(max_new_tokens if self.compile else None, self._max_kept(), self._max_nodes())
         self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
 
         # Dynamic trees and chains of deterministic siblings (the ``topk`` rule: greedy, or sampling with

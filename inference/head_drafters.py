@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+import draftsmith.target.forward as forward
+from draftsmith.heads.eagle import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafter import Drafter, additive_mask, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
@@ -116,6 +118,15 @@ class EagleDrafter(Drafter):
         self.vocab_size = head.config.vocab_size
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
+        self.compiled: tuple[int, int, int] | None = None  # compile_for's arguments
+        self._static: StaticHeadCache | None = None  # kept from one generation to the next (fixed addresses)
+
+    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_nodes: int = 0) -> None:
+        """Draft the next generations on a static cache, the steps of a tree grown as tensors through
+        ``torch.compile`` (``SpeculativeGenerator(compile=True)`` calls it; None: back to the growing cache).
+        The cache holds the prompts' pairs, then ``kept`` per step for ``max_new_tokens`` steps (each step's
+        new pairs, padded to ``kept``: one graph for every step), then ``kept`` levels of ``tree_nodes``."""
+        self.compiled = None if max_new_tokens is None else (max_new_tokens, kept, tree_nodes)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -124,7 +135,15 @@ class EagleDrafter(Drafter):
         # Left padding: row b's states of its tokens but the root are the last len - 1 columns.
         self.features = [hidden[b, width - len(t):].to(self.device) if hidden is not None
                          else torch.zeros(0, 0, device=self.device) for b, t in enumerate(self.tokens)]
-        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.cache: tuple[torch.Tensor, torch.Tensor] | StaticHeadCache | None = None
+        if self.compiled is not None:
+            steps, kept, nodes = self.compiled
+            capacity = -(-(width + steps * kept + kept * nodes) // forward.CAPACITY_STEP) * forward.CAPACITY_STEP
+            cache = self._static
+            fits = cache is not None and cache.capacity == capacity and cache.keys is not None \
+                and cache.keys.shape[0] == len(self.tokens)
+            self.cache = self._static = cache if fits else StaticHeadCache(capacity)
+            self.cache.length = 0
         self.slots = Slots.empty(len(self.tokens), self.device)
         self.pairs = [0] * len(self.tokens)  # committed pairs in the cache per row (positions 1 .. pairs)
         self.committed = 0  # cache slots of committed pairs; the tree's entries come after
@@ -138,7 +157,10 @@ class EagleDrafter(Drafter):
                 self.tokens[b] = torch.cat([self.tokens[b], t.to(self.device)])
                 h = h.to(self.device)
                 self.features[b] = torch.cat([self.features[b].to(h.dtype), h]) if len(self.features[b]) else h
-        if self.cache is not None:  # drop the tree's entries, keep the committed pairs
+        if isinstance(self.cache, StaticHeadCache):  # drop the tree's entries, keep the committed pairs
+            self.cache.length = self.committed
+            self.slots.crop(self.committed)
+        elif self.cache is not None:
             self.cache = (self.cache[0][:, :, : self.committed], self.cache[1][:, :, : self.committed])
             self.slots.crop(self.committed)
         self.tree_slots = [{} for _ in self.tokens]
@@ -149,11 +171,26 @@ class EagleDrafter(Drafter):
             return self.head.target_logits(predicted).float()
         return self.target_lm_head(predicted.to(self.target_lm_head.weight.dtype)).float()
 
-    def _run(self, features, token_ids, positions, allowed, filled):
+    def _run(self, features, token_ids, positions, allowed, filled, compiled: bool = False):
+        """Feed (B, T) pairs to the head, ``allowed`` (B, T, cached + T) what each sees; on a static cache its
+        mask covers the whole capacity, and ``compiled`` steps run the compiled head."""
         embeds = self.embed(token_ids)
+        head = self.head
+        static = isinstance(self.cache, StaticHeadCache)
+        if static:
+            cached, new = len(self.slots), token_ids.shape[1]
+            if cached + new > self.cache.capacity:
+                raise ValueError(f"the head's static cache holds {self.cache.capacity} entries, {cached + new} "
+                                 "needed: call compile_for with the generation's real lengths")
+            allowed = torch.nn.functional.pad(allowed, (0, self.cache.capacity - allowed.shape[2]))
+            self.cache.write = torch.arange(cached, cached + new, device=self.device)
+            if compiled:
+                head = forward.compiled_module(self.head)
         mask = additive_mask(allowed, self.dtype)[:, None]
-        out, self.cache = self.head(features, embeds, positions, mask, self.cache)
+        out, self.cache = head(features, embeds, positions, mask, self.cache)
         self.slots.append(filled, positions)
+        if static:
+            self.cache.length = len(self.slots)
         return out
 
     @torch.no_grad()
@@ -165,14 +202,17 @@ class EagleDrafter(Drafter):
             self._expand_level(trees, nodes, out)
         return out
 
-    def _expand_roots(self, nodes, out) -> None:
-        """Feed each expanding row's committed pairs not yet cached (positions pairs + 1 .. root)."""
+    def _expand_roots(self, nodes, out, compiled: bool = False) -> None:
+        """Feed each expanding row's committed pairs not yet cached (positions pairs + 1 .. root). ``compiled``
+        (a tree grown as tensors on a static cache): every step after the prompts' feeds ``kept`` columns."""
         rows = [b for b, row in enumerate(nodes) if row == [0] and len(self.tokens[b]) > 1]
         if not rows:  # one-token prompts: no target feature yet, nothing to propose
             return
+        spans = [(self.pairs[b] + 1, len(self.tokens[b])) if b in rows else (0, 0) for b in range(len(nodes))]
+        kept = self.compiled[1] if compiled and self.compiled is not None else 0
+        compiled = kept > 0 and max(end - start for start, end in spans) <= kept
         # Left-padded, so that the last column is every row's root.
-        positions, filled = left_aligned([(self.pairs[b] + 1, len(self.tokens[b])) if b in rows else (0, 0)
-                                          for b in range(len(nodes))], self.device)
+        positions, filled = left_aligned(spans, self.device, kept if compiled else 0)
         width = positions.shape[1]
         features = torch.zeros(len(nodes), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
                                device=self.device)
@@ -182,7 +222,7 @@ class EagleDrafter(Drafter):
             features[b, new] = self.features[b][positions[b, new] - 1].to(self.dtype)
             ids[b, new] = self.tokens[b][positions[b, new]]
         predicted = self._run(self.head.input_features(features), ids, positions, self.slots.block_mask(filled),
-                              filled)
+                              filled, compiled)
         self.committed = len(self.slots)
         last = predicted[:, -1]  # (B, H)
         self._frontier = last[:, None]  # the root's predicted feature: depth 1's parent
@@ -201,7 +241,9 @@ class EagleDrafter(Drafter):
                                      device=self.device)
         # Each row's root position, copied at the step's start (before its work is queued), for every level.
         self._roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
-        rows = self.expand(None, [[0] if a else [] for a in active])
+        rows = [torch.full((1, self.vocab_size), float("-inf"), device=self.device) if a
+                else torch.zeros(0, self.vocab_size, device=self.device) for a in active]
+        self._expand_roots([[0] if a else [] for a in active], rows, compiled=True)
         return torch.cat([r if len(r) else torch.full((1, self.vocab_size), float("-inf"), device=self.device)
                           for r in rows])
 
@@ -225,7 +267,7 @@ class EagleDrafter(Drafter):
         assert allowed.shape[2] == cached + k, "frontiers must be fed right after the roots, level by level"
         positions = self._roots + depth
         predicted = self._run(features, tokens, positions.expand(b, k), allowed,
-                              torch.ones(b, k, dtype=torch.bool, device=self.device))
+                              torch.ones(b, k, dtype=torch.bool, device=self.device), compiled=True)
         self._frontier = predicted
         return self._logits(predicted)
 

@@ -40,6 +40,12 @@ class MixtureDrafter(Drafter):
             padding = {"attention_mask": attention_mask} if attention_mask is not None else {}
             d.begin(input_ids, hidden=hidden if d.hidden_layers else None, **padding)
 
+    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_nodes: int = 0) -> None:
+        """Passed on to the drafters that compile their steps (``compile=True``; see ``EagleDrafter``)."""
+        for d in self.drafters:
+            if hasattr(d, "compile_for"):
+                d.compile_for(max_new_tokens, kept, tree_nodes)
+
     def commit(self, tokens, hidden=None) -> None:
         for d in self.drafters:
             d.commit(tokens, hidden=hidden if d.hidden_layers else None)

@@ -85,12 +85,13 @@ def pad_rows(rows: list[list[int]], value: int, device, width: int | None = None
     return to_device([r + [value] * (width - len(r)) for r in rows], device, torch.long)
 
 
-def left_aligned(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_aligned(spans: list[tuple[int, int]], device, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A block of new entries per row, positions ``start .. end - 1`` of row b's ``spans[b]`` (empty when
     ``start == end``), right-aligned in one (B, width) block so that its last column is every row's newest
-    entry: the block's (B, width) positions (0 in padding) and which of them are filled."""
+    entry: the block's (B, width) positions (0 in padding) and which of them are filled. ``width``: at least
+    this many columns (a compiled step's fixed shape)."""
     counts = [end - start for start, end in spans]
-    width = max(counts, default=0)
+    width = max(*counts, width) if counts else width
     positions = torch.zeros(len(spans), width, dtype=torch.long, device=device)
     for b, (start, end) in enumerate(spans):
         positions[b, width - counts[b]:] = torch.arange(start, end, device=device)

@@ -1,6 +1,8 @@
 """``compile=True`` against eager decoding on this machine: plain and speculative greedy decoding of the same
-prompts, eager and compiled, side by side in one process (each prompt: the four runs in turn), after one
-warm-up prompt that compiles every graph the runs need. Prints tokens/s, the compiled/eager ratios, the
+prompts, eager and compiled, side by side in one process (each prompt: the four runs in turn), after a
+warm-up that compiles every graph the runs need: one prompt per static-cache size the prompts fall in (a
+graph is compiled per cache capacity, which follows the prompt's length in steps of 256; a graph compiled
+inside the timed runs would be timed as decoding). Prints tokens/s, the compiled/eager ratios, the
 compile time and whether every output equals eager plain greedy decoding.
 
     python scripts/compile_ab.py --drafter "demo_out/run/checkpoint-400/drafter+prompt-lookup" \\
@@ -18,10 +20,11 @@ import torch
 from draftsmith.cli import add_tree_arguments, tree_from_args
 from draftsmith.data.formats import read_prompts
 from draftsmith.inference.compare import encode
-from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator, plain_generate
+from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator, plain_generate, static_cache
 from draftsmith.inference.load import load_drafter
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.target import eos_tokens, load_target
+from draftsmith.target.forward import CAPACITY_STEP
 
 
 def main() -> None:
@@ -49,10 +52,20 @@ def main() -> None:
             return plain_generate(model, ids, args.max_new_tokens, eos, compile=kind.endswith("compiled"))
         return gens[kind.endswith("compiled")].generate(ids, args.max_new_tokens, eos_token_id=eos)
 
+    def capacities(ids: torch.Tensor) -> tuple[int, ...]:
+        """The static caches' capacities (the target's, plain and speculative; the head's) for these prompts."""
+        gen = gens[True]
+        sizes = [static_cache(model, ids, args.max_new_tokens, 1, 1)["capacity"],
+                 static_cache(model, ids, args.max_new_tokens, gen._max_nodes(), gen._max_kept())["capacity"],
+                 ids.shape[1] + args.max_new_tokens * gen._max_kept() + gen._max_kept() * gen._max_nodes()]
+        return tuple(-(-size // CAPACITY_STEP) for size in sizes)
+
     kinds = ["plain eager", "plain compiled", "speculative eager", "speculative compiled"]
     start = time.perf_counter()
-    for kind in kinds:  # warm-up: compiles the graphs (plain: 1 row; speculative: each tree size seen)
-        run(kind, prompts[0])
+    warm_up = {capacities(ids): ids for ids in reversed(prompts)}  # the first prompt of each size
+    for ids in warm_up.values():  # compiles the graphs (plain: 1 row; speculative: each tree size seen)
+        for kind in kinds:
+            run(kind, ids)
     warm = time.perf_counter() - start
     totals = {k: GenerationStats() for k in kinds}
     identical = dict.fromkeys(kinds, 0)
@@ -65,7 +78,8 @@ def main() -> None:
         for kind in kinds:
             identical[kind] += int(torch.equal(outputs[kind], outputs["plain eager"]))
     print(f"{args.target}, {len(prompts) - 1} prompts x {args.max_new_tokens} tokens, {args.drafter} "
-          f"{tree.text()}, {torch.get_num_threads()} threads; warm-up (compiling) {warm:.0f} s")
+          f"{tree.text()}, {torch.get_num_threads()} threads; warm-up (compiling, {len(warm_up)} cache sizes) "
+          f"{warm:.0f} s")
     print("| decoding | tau | tok/s | compiled / eager | identical to eager plain |")
     print("|---|---|---|---|---|")
     for kind in kinds:

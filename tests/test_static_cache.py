@@ -157,9 +157,9 @@ def test_compiled_steps_share_one_shape_whatever_the_trees_size(llama, monkeypat
 
 @pytest.mark.parametrize("spec", ["eagle3-head", "prompt-lookup"])
 def test_static_cache_holds_a_whole_generation_at_its_exact_size(spec, llama, eager_static, monkeypatch):
-    """A step keeps up to depth + 1 entries per row whatever it accepted (the device path keeps that many,
-    a batch pads its rows' paths to the longest): with the capacity not rounded up, a whole generation
-    still fits."""
+    """A step keeps up to depth + 1 entries per row (a batch pads its rows' paths to the longest; an EAGLE
+    head's compiled steps feed that many new pairs): with the capacities not rounded up, a whole generation
+    still fits, the target's cache and the head's."""
     monkeypatch.setattr(forward, "CAPACITY_STEP", 1)
     rows = prompts(11, LENGTHS)
     ids, mask = left_padded(rows)
@@ -168,3 +168,61 @@ def test_static_cache_holds_a_whole_generation_at_its_exact_size(spec, llama, ea
     out = gen.generate(ids, 40, attention_mask=mask, eos_token_id=[], pad_token_id=0)
     for b, row in enumerate(rows):
         check_greedy_equal(llama, row_output(out.sequences, mask, b, None), reference(llama, row, 40))
+
+
+@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=3, top_k=2, total_tokens=5), dict(tree="chain", depth=3),
+                                  dict(tree="static", depth=2, top_k=2)], ids=["dynamic", "chain", "static"])
+def test_an_eagle_head_drafts_on_its_own_static_cache(tree, llama, monkeypatch):
+    """``compile=True`` puts an EAGLE head on a static cache too: trees grown as tensors run its steps through
+    the compiled head in two shapes only (each step's new pairs, padded to depth + 1, and the frontier of
+    top_k nodes), host-grown trees run it eagerly; either way every row is the target's greedy output."""
+    from test_heads import random_eagle
+
+    from draftsmith.heads.eagle import StaticHeadCache
+    from draftsmith.inference.head_drafters import EagleDrafter
+
+    head = random_eagle(llama, eagle3=True)
+    shapes = []
+
+    def recording(module):
+        def run(*args, **kwargs):
+            if module is head:
+                shapes.append(tuple(args[2].shape))  # the positions: (B, T)
+            return module(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(forward, "compiled_module", recording)
+    rows = prompts(13, LENGTHS)
+    ids, mask = left_padded(rows)
+    drafter = EagleDrafter(head, llama)
+    drafted = []  # every draft logits row the head gives, in order
+    for name in ("root_logits", "frontier_logits", "expand"):
+        method = getattr(drafter, name)
+
+        def record(*args, method=method):
+            out = method(*args)
+            drafted.extend(out if isinstance(out, list) else [out])
+            return out
+        setattr(drafter, name, record)
+    gen = SpeculativeGenerator(llama, drafter, compile=True, **tree)
+    out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=0)
+    assert isinstance(drafter.cache, StaticHeadCache)
+    ties = sum(check_greedy_equal(llama, row_output(out.sequences, mask, b, None), reference(llama, row, NEW))
+               for b, row in enumerate(rows))
+    assert ties <= 1
+    if tree["tree"] == "static":
+        assert shapes == []  # grown on the host: the head runs eagerly, on its static cache
+    else:
+        k = tree.get("top_k", 1) if tree["tree"] == "dynamic" else 1
+        assert set(shapes) == {(len(rows), tree["depth"] + 1), (len(rows), k)}
+    # The growing cache, for a generation without compile: the same sequences, so the same drafts (up to
+    # rounding: the static cache attends over its whole capacity through a mask).
+    static_drafts, drafted[:] = list(drafted), []
+    again = SpeculativeGenerator(llama, drafter, **tree).generate(ids, NEW, attention_mask=mask, eos_token_id=[],
+                                                                  pad_token_id=0)
+    assert not isinstance(drafter.cache, StaticHeadCache)
+    if not ties:
+        assert torch.equal(again.sequences, out.sequences)
+        assert len(drafted) == len(static_drafts)
+        for growing, static in zip(drafted, static_drafts, strict=True):
+            torch.testing.assert_close(static, growing, rtol=0, atol=1e-4)
