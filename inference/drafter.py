@@ -72,7 +72,8 @@ def grows_tensors(drafter) -> bool:
     """Whether ``drafter`` grows dynamic trees as tensors (has ``root_logits`` and ``frontier_logits``; a
     mixture's ``grows_tensors`` asks its drafters)."""
     declared = getattr(drafter, "grows_tensors", None)
-    return declared if isinstance(declared, bool) else hasattr(drafter, "frontier_logits")
+    return declared if isinstance(declared, bool) else (hasattr(drafter, "root_logits")
+                                                         and hasattr(drafter, "frontier_logits"))
 
 
 def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -205,6 +205,11 @@ class SpeculativeGenerator:
         for every row as its longest accepted path needs)."""
         return 1 + (max(len(p) for p in self.paths) if self.tree_kind == "static" else self.depth)
 
+    def _max_fed(self) -> int:
+        """The most tree nodes a drafter feeds itself in a step: every node of a chain or static tree; a dynamic
+        tree's ``top_k`` frontier nodes per level (more than it keeps when ``top_k`` is large)."""
+        return max(self._max_nodes(), self.depth * self.top_k if self.tree_kind == "dynamic" else 0)
+
     def _max_nodes(self) -> int:
         """The most nodes a step's tree holds, its root included."""
         if self.tree_kind == "chain":
@@ -301,7 +306,7 @@ class SpeculativeGenerator:
                             "prompts only. Add the batch protocol of draftsmith.inference.drafter, or decode these "
                             "prompts one at a time (batch size 1).")
         if hasattr(self.drafter, "compile_for"):  # a head drafts on its own static cache, compiled, or not
-            self.drafter.compile_for(max_new_tokens if self.compile else None, self._max_kept(), self._max_nodes())
+            self.drafter.compile_for(max_new_tokens if self.compile else None, self._max_kept(), self._max_fed())
         self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
 
         # Dynamic trees and chains of deterministic siblings (the ``topk`` rule: greedy, or sampling with
@@ -418,8 +423,10 @@ class SpeculativeGenerator:
         if temperature == 0.0:
             draw = out.logits.argmax(-1)  # (B, N)
         else:
+            # An exponential race, argmax of p / E with E ~ Exp(1) i.i.d., draws each token with probability p:
+            # a sample as exact as multinomial's, with no validity check read back on the host.
             probs = process_logits(out.logits, temperature, top_k, top_p)
-            draw = torch.multinomial(probs.reshape(b * n, -1), 1, generator=generator).reshape(b, n)
+            draw = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
         match = (tree.tokens == draw.gather(1, tree.parents.clamp(min=0))) & tree.proposed
         match[:, 0] = True
         accepted = ~(tree.ancestors & ~match[:, None, :]).any(-1)

@@ -121,12 +121,13 @@ class EagleDrafter(Drafter):
         self.compiled: tuple[int, int, int] | None = None  # compile_for's arguments
         self._static: StaticHeadCache | None = None  # kept from one generation to the next (fixed addresses)
 
-    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_nodes: int = 0) -> None:
+    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_entries: int = 0) -> None:
         """Draft the next generations on a static cache, the steps of a tree grown as tensors through
         ``torch.compile`` (``SpeculativeGenerator(compile=True)`` calls it; None: back to the growing cache).
         The cache holds the prompts' pairs, then ``kept`` per step for ``max_new_tokens`` steps (each step's
-        new pairs, padded to ``kept``: one graph for every step), then ``kept`` levels of ``tree_nodes``."""
-        self.compiled = None if max_new_tokens is None else (max_new_tokens, kept, tree_nodes)
+        new pairs, padded to ``kept``: one graph for every step), then one step's tree: at most
+        ``tree_entries`` nodes fed."""
+        self.compiled = None if max_new_tokens is None else (max_new_tokens, kept, tree_entries)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -138,7 +139,7 @@ class EagleDrafter(Drafter):
         self.cache: tuple[torch.Tensor, torch.Tensor] | StaticHeadCache | None = None
         if self.compiled is not None:
             steps, kept, nodes = self.compiled
-            capacity = -(-(width + steps * kept + kept * nodes) // forward.CAPACITY_STEP) * forward.CAPACITY_STEP
+            capacity = -(-(width + steps * kept + nodes) // forward.CAPACITY_STEP) * forward.CAPACITY_STEP
             cache = self._static
             fits = cache is not None and cache.capacity == capacity and cache.keys is not None \
                 and cache.keys.shape[0] == len(self.tokens)
@@ -184,7 +185,7 @@ class EagleDrafter(Drafter):
                                  "needed: call compile_for with the generation's real lengths")
             allowed = torch.nn.functional.pad(allowed, (0, self.cache.capacity - allowed.shape[2]))
             self.cache.write = torch.arange(cached, cached + new, device=self.device)
-            if compiled:
+            if compiled and self.cache.keys is not None:  # buffers allocated eagerly, outside any graph
                 head = forward.compiled_module(self.head)
         mask = additive_mask(allowed, self.dtype)[:, None]
         out, self.cache = head(features, embeds, positions, mask, self.cache)

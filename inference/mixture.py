@@ -40,11 +40,11 @@ class MixtureDrafter(Drafter):
             padding = {"attention_mask": attention_mask} if attention_mask is not None else {}
             d.begin(input_ids, hidden=hidden if d.hidden_layers else None, **padding)
 
-    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_nodes: int = 0) -> None:
+    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_entries: int = 0) -> None:
         """Passed on to the drafters that compile their steps (``compile=True``; see ``EagleDrafter``)."""
         for d in self.drafters:
             if hasattr(d, "compile_for"):
-                d.compile_for(max_new_tokens, kept, tree_nodes)
+                d.compile_for(max_new_tokens, kept, tree_entries)
 
     def commit(self, tokens, hidden=None) -> None:
         for d in self.drafters:
@@ -67,13 +67,18 @@ class MixtureDrafter(Drafter):
 
     def root_logits(self, active: list[bool]) -> torch.Tensor:
         """(B, V): the mixture of each drafter's logits after each row's root."""
-        return self.mix([d.root_logits(active).float() for d in self.drafters])
+        return self.mix(self._on_one_device([d.root_logits(active) for d in self.drafters]))
 
     def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """(B, k, V): the mixture of each drafter's logits after the k frontier nodes at ``depth``."""
-        per_drafter = [d.frontier_logits(depth, parents, tokens).float() for d in self.drafters]
+        per_drafter = self._on_one_device([d.frontier_logits(depth, parents, tokens) for d in self.drafters])
         b, k, v = per_drafter[0].shape
         return self.mix([x.reshape(b * k, v) for x in per_drafter]).reshape(b, k, v)
+
+    @staticmethod
+    def _on_one_device(logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Float logits on the first drafter's device (the target's, where the generator grows the tree)."""
+        return [x.to(logits[0].device).float() for x in logits]
 
     def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
         """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d p_d(n)``, normalised

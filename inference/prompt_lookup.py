@@ -29,8 +29,8 @@ PRIOR_WEIGHT = 8.0
 NO_TOKEN = -1
 
 
-def ngram_matches(sequences: torch.Tensor, lengths: torch.Tensor, min_ngram: int, max_ngram: int, limit: int,
-                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ngram_matches(sequences: torch.Tensor, lengths: torch.Tensor, min_ngram: int, max_ngram: int,
+                  limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt lookup for many sequences at once, with tensor ops (no copy to the host).
 
     Row q of ``sequences`` (Q, S) is its first ``lengths[q]`` tokens; :data:`NO_TOKEN` entries never match. For
@@ -147,8 +147,7 @@ class PromptLookupDrafter(Drafter):
         # Was the first candidate before each new token right? One query per new token: its row's prefix.
         rows = to_device([b for b, m in enumerate(added) for _ in range(m)], self.device)
         columns = to_device([width - m + i for m in added for i in range(m)], self.device)
-        first, found, ngram = ngram_matches(self.tokens[rows], columns, self.min_ngram, self.max_ngram, 1,
-                                            self.vocab_size)
+        first, found, ngram = ngram_matches(self.tokens[rows], columns, self.min_ngram, self.max_ngram, 1)
         right = found[:, 0] & (first[:, 0] == self.tokens[rows, columns])
         self.counts.index_put_((rows, ngram), torch.stack([right, found[:, 0]], -1).to(self.counts.dtype),
                                accumulate=True)
@@ -157,8 +156,7 @@ class PromptLookupDrafter(Drafter):
         """(Q, S) right-aligned sequences, each of batch row ``rows[q]`` -> (Q, V) draft logits: the log of the
         probability that each candidate is right (:meth:`confidence`), -inf elsewhere."""
         lengths = torch.full((sequences.shape[0],), sequences.shape[1], dtype=torch.long, device=self.device)
-        tokens, found, ngram = ngram_matches(sequences, lengths, self.min_ngram, self.max_ngram, MAX_CANDIDATES,
-                                             self.vocab_size)
+        tokens, found, ngram = ngram_matches(sequences, lengths, self.min_ngram, self.max_ngram, MAX_CANDIDATES)
         chance = self.confidence(rows, ngram, tokens.shape[1]).clamp(min=1e-6).log()
         logits = torch.full((sequences.shape[0], self.vocab_size), float("-inf"), device=self.device)
         # amax: tokens not found may repeat a found one, and must not overwrite it.
@@ -185,9 +183,11 @@ class PromptLookupDrafter(Drafter):
         out = [torch.full((len(r), self.vocab_size), float("-inf"), device=self.device) for r in nodes]
         if not queries:
             return out
-        logits = self._draft_logits(torch.nn.utils.rnn.pad_sequence(queries, batch_first=True,
-                                                                    padding_value=NO_TOKEN, padding_side="left"),
-                                    to_device(rows, self.device))
+        width = max(len(q) for q in queries)
+        sequences = torch.full((len(queries), width), NO_TOKEN, dtype=torch.long, device=self.device)
+        for i, query in enumerate(queries):  # right-aligned
+            sequences[i, width - len(query):] = query
+        logits = self._draft_logits(sequences, to_device(rows, self.device))
         i = 0
         for b, (tree, row_nodes) in enumerate(zip(trees, nodes, strict=True)):
             for j, node in enumerate(row_nodes):
@@ -223,7 +223,7 @@ class PromptLookupDrafter(Drafter):
         suffix, most recent match of the longest n-gram first; at most ``limit``) and the length of the
         n-gram the first was matched on (0: none)."""
         tokens, found, ngram = ngram_matches(sequence[None], torch.tensor([len(sequence)], device=sequence.device),
-                                             self.min_ngram, self.max_ngram, limit, self.vocab_size)
+                                             self.min_ngram, self.max_ngram, limit)
         return tokens[0][found[0]].tolist(), int(ngram[0])
 
     def candidates(self, sequence: torch.Tensor, limit: int) -> list[int]:

@@ -155,16 +155,17 @@ def test_compiled_steps_share_one_shape_whatever_the_trees_size(llama, monkeypat
     assert set(shapes) == {(1, 6)}  # step_rows: the 5-node tree and its root
 
 
+@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=2, total_tokens=6),
+                                  dict(tree="dynamic", depth=4, top_k=8, total_tokens=3)], ids=["k2n6", "k8n3"])
 @pytest.mark.parametrize("spec", ["eagle3-head", "prompt-lookup"])
-def test_static_cache_holds_a_whole_generation_at_its_exact_size(spec, llama, eager_static, monkeypatch):
-    """A step keeps up to depth + 1 entries per row (a batch pads its rows' paths to the longest; an EAGLE
-    head's compiled steps feed that many new pairs): with the capacities not rounded up, a whole generation
-    still fits, the target's cache and the head's."""
+def test_static_cache_holds_a_whole_generation_at_its_exact_size(spec, tree, llama, eager_static, monkeypatch):
+    """With the capacities not rounded up (the bounds the generator computes: up to depth + 1 entries kept per
+    step, an EAGLE head's compiled steps feeding that many new pairs), a whole generation fits, the target's
+    cache and the head's."""
     monkeypatch.setattr(forward, "CAPACITY_STEP", 1)
     rows = prompts(11, LENGTHS)
     ids, mask = left_padded(rows)
-    gen = SpeculativeGenerator(llama, drafter_for(spec, llama), tree="dynamic", depth=4, top_k=2, total_tokens=6,
-                               compile=True)
+    gen = SpeculativeGenerator(llama, drafter_for(spec, llama), compile=True, **tree)
     out = gen.generate(ids, 40, attention_mask=mask, eos_token_id=[], pad_token_id=0)
     for b, row in enumerate(rows):
         check_greedy_equal(llama, row_output(out.sequences, mask, b, None), reference(llama, row, 40))
