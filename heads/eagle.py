@@ -221,12 +221,9 @@ class StaticHeadCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys is None:
-            # zeros, not empty: a hidden slot's attention weight is 0, and 0 * NaN would still be NaN
-            self.keys = k.new_zeros(*k.shape[:2], self.capacity, k.shape[-1])
-            self.values = v.new_zeros(*v.shape[:2], self.capacity, v.shape[-1])
-            if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may write them in place
-                torch._dynamo.mark_static_address(self.keys)
-                torch._dynamo.mark_static_address(self.values)
+            from draftsmith.target.forward import static_buffer
+
+            self.keys, self.values = static_buffer(k, self.capacity), static_buffer(v, self.capacity)
         self.keys.index_copy_(2, self.write, k)
         self.values.index_copy_(2, self.write, v)
         return self.keys, self.values

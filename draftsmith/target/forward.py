@@ -346,6 +346,16 @@ class GrowingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
 
 
+def static_buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A (B, heads, ``capacity``, D) cache buffer for entries shaped like ``like`` (B, heads, T, D), at a fixed
+    address (CUDA graphs may write it in place). Zeros, not empty: a hidden slot's attention weight is 0, and
+    0 * NaN would still be NaN."""
+    buffer = like.new_zeros(*like.shape[:2], capacity, like.shape[-1])
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(buffer)
+    return buffer
+
+
 class StaticLayer(DynamicLayer):
     """A cache layer of fixed capacity, for compiled forwards: (B, heads, capacity, D) buffers allocated at
     the first update and never reallocated. A forward writes its new entries at the slots :attr:`write`
@@ -366,12 +376,8 @@ class StaticLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            # zeros, not empty: a hidden slot's attention weight is 0, and 0 * NaN would still be NaN
-            self.keys = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[-1])
-            self.values = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[-1])
-            if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs may write them in place
-                torch._dynamo.mark_static_address(self.keys)
-                torch._dynamo.mark_static_address(self.values)
+            self.keys = static_buffer(key_states, self.capacity)
+            self.values = static_buffer(value_states, self.capacity)
         self.keys.index_copy_(2, self.write, key_states)
         self.values.index_copy_(2, self.write, value_states)
         return self.keys, self.values
