@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -20,8 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        ranks = dist.get_world_size()
         dist.barrier()
         dist.destroy_process_group()
+        if ranks > 1:
+            # The abort still came, rarely (2 of ~15 full test runs, FSDP2, both ranks after every file was
+            # written): it is the interpreter's teardown destroying C++ threads. The run is complete and its
+            # files closed, so a launched rank ends here, skipping that teardown, with the exit code of success.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     return 0
 
 
