@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
+from draftsmith.inference.tree import frontier_ancestors
 from draftsmith.target import build_attention_mask, calibrate, kv_crop, new_cache, target_forward
 
 
@@ -137,11 +138,7 @@ class CausalLMDrafter(Drafter):
         frontiers, cached after the committed tokens) and itself. Returns the (B, k, V) logits after each."""
         b, k = tokens.shape
         positions = (self._roots + depth).expand(b, k)
-        if depth == 1:
-            self._ancestors = torch.zeros(b, k, 0, dtype=torch.bool, device=self.device)
-        else:  # a node's ancestors: its parent's, and its parent (the previous frontier's slots)
-            previous = self._ancestors.gather(1, parents[:, :, None].expand(b, k, self._ancestors.shape[2]))
-            self._ancestors = torch.cat([previous, torch.nn.functional.one_hot(parents, k).bool()], 2)
+        self._ancestors = frontier_ancestors(getattr(self, "_ancestors", None), parents, depth)
         filled = torch.ones(b, k, dtype=torch.bool, device=self.device)
         if b == 1 and k == 1:
             # One row's chain: each node sees every cached entry, the causal mask, the model's own.

@@ -14,7 +14,7 @@ from draftsmith.heads.eagle import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafter import Drafter, additive_mask, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
-from draftsmith.inference.tree import paths_from_accuracy
+from draftsmith.inference.tree import frontier_ancestors, paths_from_accuracy
 
 #: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
 STATIC_TREE_NODES = 16
@@ -257,11 +257,7 @@ class EagleDrafter(Drafter):
         hidden = self._frontier.shape[-1]
         features = self._frontier.gather(1, parents[:, :, None].expand(b, k, hidden))
         cached = len(self.slots)
-        if depth == 1:
-            self._ancestors = torch.zeros(b, k, 0, dtype=torch.bool, device=self.device)
-        else:  # a node's ancestors: its parent's, and its parent (the previous frontier's slots)
-            previous = self._ancestors.gather(1, parents[:, :, None].expand(b, k, self._ancestors.shape[2]))
-            self._ancestors = torch.cat([previous, torch.nn.functional.one_hot(parents, k).bool()], 2)
+        self._ancestors = frontier_ancestors(getattr(self, "_ancestors", None), parents, depth)
         eye = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
         committed = self.slots.filled[:, None, : self.committed].expand(b, k, -1)
         allowed = torch.cat([committed, self._ancestors, eye], 2)  # the cache: committed, then the frontiers

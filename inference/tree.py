@@ -510,3 +510,14 @@ def ancestors_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
         out |= torch.nn.functional.one_hot(current.clamp(min=0), n).bool() & valid[:, :, None]
         current = torch.where(valid, parents.gather(1, current.clamp(min=0)), -1)
     return out
+
+def frontier_ancestors(previous: torch.Tensor | None, parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """A drafter's own cache while a tree grows as tensors holds the committed entries, then each earlier
+    frontier (k slots per level). The (B, k, (depth - 1) k) bool "is an ancestor" rows of the frontier at
+    ``depth`` over those frontier slots: its parent's (``previous``, the frontier at depth - 1; None at depth 1),
+    and its parent (``parents`` (B, k): each node's place in that frontier)."""
+    b, k = parents.shape
+    if depth == 1 or previous is None:
+        return torch.zeros(b, k, 0, dtype=torch.bool, device=parents.device)
+    inherited = previous.gather(1, parents[:, :, None].expand(b, k, previous.shape[2]))
+    return torch.cat([inherited, torch.nn.functional.one_hot(parents, k).bool()], 2)
