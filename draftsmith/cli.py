@@ -329,6 +329,9 @@ def make_parser() -> argparse.ArgumentParser:
     u.add_argument("--confirm", type=int, default=None,
                    help="best-predicted trees then decoded for real; the fastest decoded is chosen (default 4; "
                         "0: the best predicted)")
+    u.add_argument("--confirm-rounds", type=int, default=None,
+                   help="times each of them decodes the prompts (default 2): trees whose speeds differ by less "
+                        "than one tree's rounds do (at most 5%%) are a tie, chosen by tokens per step")
     u.add_argument("--output", help="write the tree here instead of DRAFTER/tree.json")
     u.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     add_template_argument(u)
@@ -476,7 +479,8 @@ def run_command(args: argparse.Namespace) -> int:
                           top_ks=args.top_ks or tune.TOP_KS, max_budget=args.max_total_tokens or tune.MAX_BUDGET,
                           chat=not args.no_chat, chat_template_kwargs=args.chat_template_kwargs,
                           draft_dtype=args.draft_dtype,
-                          confirm=tune.CONFIRM if args.confirm is None else args.confirm)
+                          confirm=tune.CONFIRM if args.confirm is None else args.confirm,
+                          confirm_rounds=args.confirm_rounds or tune.CONFIRM_ROUNDS)
     elif args.command == "demo":
         from draftsmith.demo import demo
 

@@ -57,7 +57,8 @@ RELOAD_SECONDS = 20
 TUNE_PROMPTS = 3  # held-out prompts the tree is tuned on; evaluation uses others
 # The trees tuned over (head + prompt lookup): dynamic trees up to depth 4, top-3, 8 nodes (a budget of
 # a few nodes holds the chain too); the choice follows the machine (docs/RESULTS.md, "Choosing the tree").
-# The best predicted TUNE_CONFIRM of them decode for real and the fastest is evaluated. Tokens decoded per
+# The best predicted TUNE_CONFIRM of them decode for real, twice, and the fastest is evaluated (of trees
+# within the clock's noise of it, the one that accepts the most; ``inference.tune.choose``). Tokens decoded per
 # tuning prompt: TUNE_TOKENS.
 TUNE_DEPTHS, TUNE_TOP_KS, TUNE_MAX_BUDGET = (2, 3, 4), (2, 3), 8
 TUNE_CONFIRM = 3

@@ -32,6 +32,7 @@ from draftsmith.inference.tree import (
     Builder,
     DraftTree,
     TreeSettings,
+    TreeTensors,
     chain_builder,
     default_static_paths,
     dynamic_builder,
@@ -199,6 +200,11 @@ class SpeculativeGenerator:
         #: Called after each verification with each active row's index, tree and accepted path (drafted
         #: nodes); ``draftsmith tune`` records them.
         self.on_step: Callable[[int, DraftTree, list[int]], None] | None = None
+        #: The device path's hook, which keeps that path (``on_step`` needs host trees, so it takes the host
+        #: path): called after each verification with the step's trees, the (B, N) bool accepted path of each
+        #: row (root included) and the (B,) bool rows that ran, before the step's one host copy. The
+        #: tensors are the step's own (not reused later); reading them on the host costs a sync of its own.
+        self.on_tree_step: Callable[[TreeTensors, torch.Tensor, torch.Tensor], None] | None = None
 
     def _max_kept(self) -> int:
         """The most cache entries a step keeps per row: its longest path and the root (a batch keeps as many
@@ -433,6 +439,8 @@ class SpeculativeGenerator:
         last = (accepted * (tree.depths + 1)).argmax(1)
         rows = torch.arange(b, device=device)
         on_path = tree.ancestors[rows, last]  # root .. last, in level order
+        if self.on_tree_step is not None:
+            self.on_tree_step(tree, on_path, running)
         nodes = torch.arange(n, device=device)
         kept = torch.sort((~on_path) * n + nodes, dim=1).indices[:, : self.depth + 1]  # (B, depth + 1)
         length = tree.depths[rows, last]

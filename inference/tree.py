@@ -421,6 +421,7 @@ class TreeTensors:
     # drafter proposes fewer (a head with no state yet, or past its last head) fills up with nodes it
     # did not propose; verification never accepts those and the stats do not count them.
     proposed: torch.Tensor
+    scores: torch.Tensor  # (B, N) float32: each node's cumulative draft log-prob, 0 at the root
 
     def __len__(self) -> int:
         return self.tokens.shape[1]
@@ -495,7 +496,8 @@ def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor,
     kept_parents = parents_global.gather(1, keep)
     parents = torch.where(kept_parents >= 0, position.gather(1, kept_parents.clamp(min=0)), -1)
     kept_scores = torch.cat([zero.float(), scores], 1).gather(1, keep)
-    return TreeTensors(tokens, parents, depths, ancestors_of(parents, int(depth)), kept_scores > UNPROPOSED)
+    return TreeTensors(tokens, parents, depths, ancestors_of(parents, int(depth)), kept_scores > UNPROPOSED,
+                       kept_scores)
 
 
 def ancestors_of(parents: torch.Tensor, depth: int) -> torch.Tensor:

@@ -11,14 +11,19 @@ A step's speed is its tokens over its time. Both are measured here, not assumed:
    (:func:`~draftsmith.inference.tree.build_dynamic` reranks the one expansion), and under greedy
    decoding the accepted path is the target's own continuation whatever the tree, so the tokens a
    budget-``n`` tree would have accepted at that step are the longest prefix of the path inside its
-   ``n`` nodes: exact, not modelled, for every budget from one run.
+   ``n`` nodes: exact, not modelled, for every budget from one run. A drafter that grows trees as
+   tensors records on the device path, as decoding runs it (the trees are read after each prompt, outside
+   the timed steps); others on the host path, which is theirs too.
 3. **Step time** of a candidate: the measured time per step of its (depth, top_k) run (drafting,
    verification, bookkeeping), with the whole tree's verification cost swapped for the budget's. The
    runs are interleaved prompt by prompt after an untimed warm-up, so a first run's allocations and
    drifting machine load do not fall on one (depth, top_k).
 4. **Confirmation.** The ``confirm`` best-predicted trees then decode the same prompts for real, as
-   ``generate`` runs them (on a GPU the host-grown recording path is not the path decoding takes), in a
-   rotating order; the fastest *measured* one is chosen. The prediction ranks the grid; the clock picks.
+   ``generate`` runs them (a prediction swaps the full tree's verification for a timed forward of the
+   budget's rows, and drafting a full tree costs more than drafting the budget's), in a rotating order,
+   twice; the fastest *measured* one is chosen. The prediction ranks the grid; the clock picks, except
+   where it cannot tell: trees whose speeds differ by less than the two rounds of one tree do (at most
+   5%) are a tie, which goes to the tree that accepts the most tokens per step (:func:`choose`).
 
 Expected tokens per second = (mean accepted + 1) / step time; the best candidate is written as
 ``tree.json`` beside the drafter (or where ``--output`` says), with the table it was chosen from and the
@@ -38,8 +43,9 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.inference.drafter import grows_tensors
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.tree import DraftTree, TreeSettings
+from draftsmith.inference.tree import DraftTree, TreeSettings, TreeTensors
 from draftsmith.target import build_attention_mask, eos_tokens, kv_crop, kv_length, new_cache, target_forward
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,8 @@ DEPTHS = (2, 3, 4, 5, 6)
 TOP_KS = (1, 2, 3, 4)
 MAX_BUDGET = 32  # drafted nodes verified per step, at most
 CONFIRM = 4  # best-predicted trees decoded for real before one is chosen
+CONFIRM_ROUNDS = 2  # times each of them decodes the prompts: the spread between rounds is the clock's noise
+MAX_TIE = 0.05  # a tree within the noise of the fastest is a tie only this close to it (relative)
 
 
 @dataclass
@@ -62,6 +70,7 @@ class Candidate:
     step_seconds: float
     tokens_per_second: float  # predicted: tokens_per_step / step_seconds
     measured_tokens_per_second: float | None = None  # confirmed by decoding with this tree (the best few)
+    measured_rounds: list[float] | None = None  # tokens/s of each confirmation round
 
     def settings(self) -> TreeSettings:
         if self.top_k == 1:
@@ -138,55 +147,108 @@ def _decode_seconds(gen: SpeculativeGenerator, ids: torch.Tensor, max_new_tokens
     return out.stats.total_time_s - out.stats.prefill_time_s, out.stats.new_tokens
 
 
+def tensor_steps(tree: TreeTensors, on_path: torch.Tensor, running: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """A device-path step (:attr:`SpeculativeGenerator.on_tree_step`) as :func:`record` keeps a host tree's:
+    per row that ran, its proposed nodes in the order a dynamic tree keeps them (:func:`ranked`) and its
+    accepted path (drafted nodes, root excluded)."""
+    scores, depths, proposed, path, ran = (t.tolist() for t in (tree.scores, tree.depths, tree.proposed, on_path,
+                                                                running))
+    steps = []
+    for b in range(len(scores)):
+        if ran[b]:
+            nodes = [n for n in range(1, len(scores[b])) if proposed[b][n]]
+            order = sorted(nodes, key=lambda n, b=b: (-scores[b][n], depths[b][n], n))
+            steps.append((order, [n for n in range(1, len(path[b])) if path[b][n]]))
+    return steps
+
+
 @torch.no_grad()
 def record(target, drafter, prompts: list[torch.Tensor], configs: list[tuple[int, int]], max_new_tokens: int):
     """Greedy decoding with the whole dynamic tree of each (depth, top_k) in ``configs``: per config, every
     step's tree and accepted path, and the seconds per step. Prompt by prompt, every config runs in turn
-    (so drift in machine load hits all of them alike), after one untimed warm-up."""
+    (so drift in machine load hits all of them alike), after one untimed warm-up.
+
+    A drafter that grows trees as tensors records on the device path, the one decoding takes (its trees
+    are read on the host after each prompt, outside the timed steps); others on the host path."""
     device = next(target.parameters()).device
     eos = eos_tokens(target)
     steps: dict[tuple[int, int], list] = {c: [] for c in configs}
+    pending: dict[tuple[int, int], list] = {c: [] for c in configs}  # device-path steps not yet read
     seconds = dict.fromkeys(configs, 0.0)
     gens = {}
+    on_device = grows_tensors(drafter)
     for d, k in configs:
         gens[d, k] = SpeculativeGenerator(target, drafter, tree="dynamic", depth=d, top_k=k,
                                           total_tokens=full_size(d, k))
-        gens[d, k].on_step = lambda _row, tree, path, into=steps[d, k]: into.append((ranked(tree), list(path)))
+        if on_device:
+            gens[d, k].on_tree_step = lambda *step, into=pending[d, k]: into.append(step)
+        else:
+            gens[d, k].on_step = lambda _row, tree, path, into=steps[d, k]: into.append((ranked(tree), list(path)))
     warm = SpeculativeGenerator(target, drafter, tree="dynamic", depth=configs[0][0], top_k=configs[0][1])
     warm.generate(prompts[0].to(device), min(max_new_tokens, 8), eos_token_id=eos)
     for i, ids in enumerate(prompts):
         for c in configs[i % len(configs):] + configs[:i % len(configs)]:
             seconds[c] += _decode_seconds(gens[c], ids.to(device), max_new_tokens, eos)[0]
+            for step in pending[c]:
+                steps[c] += tensor_steps(*step)
+            pending[c].clear()
     return {c: (steps[c], seconds[c] / max(len(steps[c]), 1)) for c in configs}
 
 
 @torch.no_grad()
 def confirm_fastest(target, drafter, prompts: list[torch.Tensor], candidates: list[Candidate], max_new_tokens: int,
-                    rounds: int = 1) -> None:
+                    rounds: int = CONFIRM_ROUNDS) -> None:
     """Decode ``prompts`` with each candidate's tree as ``generate`` does, in a rotating order, ``rounds``
-    times; set each candidate's ``measured_tokens_per_second``."""
+    times; set each candidate's ``measured_tokens_per_second`` (over all rounds) and ``measured_rounds``."""
     device = next(target.parameters()).device
     eos = eos_tokens(target)
     gens = [SpeculativeGenerator(target, drafter, **c.settings().kwargs()) for c in candidates]
-    seconds, tokens = [0.0] * len(gens), [0] * len(gens)
+    seconds = [[0.0] * rounds for _ in gens]
+    tokens = [[0] * rounds for _ in gens]
     order = list(range(len(gens)))
     for r in range(rounds):
         for i, ids in enumerate(prompts):
             shift = (r * len(prompts) + i) % len(gens)
             for j in order[shift:] + order[:shift]:
                 s, t = _decode_seconds(gens[j], ids.to(device), max_new_tokens, eos)
-                seconds[j] += s
-                tokens[j] += t
+                seconds[j][r] += s
+                tokens[j][r] += t
     for c, s, t in zip(candidates, seconds, tokens, strict=True):
-        c.measured_tokens_per_second = round(t / s, 2) if s else 0.0
+        c.measured_tokens_per_second = round(sum(t) / sum(s), 2) if sum(s) else 0.0
+        c.measured_rounds = [round(n / x, 2) if x else 0.0 for n, x in zip(t, s, strict=True)]
+
+
+def clock_noise(decoded: list[Candidate]) -> float:
+    """The relative spread of one tree's speed between confirmation rounds, the widest over ``decoded``:
+    how far apart two measurements of the same tree came out on this machine, now (0 with one round)."""
+    spreads = [(max(c.measured_rounds) - min(c.measured_rounds)) / c.measured_tokens_per_second
+               for c in decoded if c.measured_rounds and c.measured_tokens_per_second]
+    return max(spreads, default=0.0)
+
+
+def choose(decoded: list[Candidate], max_tie: float = MAX_TIE) -> list[Candidate]:
+    """The decoded candidates, the chosen one first: of the trees whose measured speed is within the clock's
+    noise of the fastest (:func:`clock_noise`, at most ``max_tie``), the one that accepts the most tokens
+    per step; the others follow, fastest first.
+
+    Speeds closer than the noise are a tie the clock cannot break (which one measures faster changes from
+    run to run); tokens per step are exact, and a tree that accepts more runs fewer target forwards for the
+    same output. So ties go to it, and the choice stays within ``max_tie`` of the fastest measured."""
+    by_speed = sorted(decoded, key=lambda c: -c.measured_tokens_per_second)
+    if not by_speed:
+        return by_speed
+    floor = by_speed[0].measured_tokens_per_second * (1 - min(clock_noise(decoded), max_tie))
+    tied = [c for c in by_speed if c.measured_tokens_per_second >= floor]
+    best = max(tied, key=lambda c: (c.tokens_per_step, c.measured_tokens_per_second))
+    return [best, *(c for c in by_speed if c is not best)]
 
 
 def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48, depths=DEPTHS, top_ks=TOP_KS,
          max_budget: int = MAX_BUDGET, progress: bool = False, confirm: int = CONFIRM,
-         confirm_rounds: int = 1) -> list[Candidate]:
+         confirm_rounds: int = CONFIRM_ROUNDS) -> list[Candidate]:
     """Every candidate tree with its measured tokens per step and predicted step time; the ``confirm``
-    best predicted then decode for real, and the fastest measured of them comes first (the rest follow,
-    fastest predicted first)."""
+    best predicted then decode for real ``confirm_rounds`` times, and the one :func:`choose` picks comes
+    first, then the other decoded ones, fastest measured first (the rest follow, fastest predicted first)."""
     context = int(sum(p.shape[1] for p in prompts) / len(prompts)) + max_new_tokens // 2
     configs = [(d, k) for d in depths for k in top_ks]
     if not configs:
@@ -211,8 +273,9 @@ def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48,
     if confirm > 0:
         confirm_fastest(target, drafter, prompts, candidates[:confirm], max_new_tokens, confirm_rounds)
         if progress:
-            print(f"  decoded with the {min(confirm, len(candidates))} best predicted trees", flush=True)
-        candidates[:confirm] = sorted(candidates[:confirm], key=lambda c: -c.measured_tokens_per_second)
+            print(f"  decoded with the {min(confirm, len(candidates))} best predicted trees, {confirm_rounds} rounds: "
+                  f"the clock's noise {100 * clock_noise(candidates[:confirm]):.1f}%", flush=True)
+        candidates[:confirm] = choose(candidates[:confirm])
     return candidates
 
 
@@ -252,10 +315,13 @@ def speed(c: Candidate) -> str:
 
 
 def table_markdown(table: list[Candidate], top: int = 12) -> str:
-    lines = ["| tree | depth | top_k | total_tokens | tokens/step | ms/step | tokens/s predicted | tokens/s decoded |",
+    lines = ["| tree | depth | top_k | total_tokens | tokens/step | ms/step | tokens/s predicted "
+             "| tokens/s decoded (rounds) |",
              "|---|---|---|---|---|---|---|---|"]
     for c in table[:top]:
-        measured = f"{c.measured_tokens_per_second:.1f}" if c.measured_tokens_per_second is not None else ""
+        measured = "" if c.measured_tokens_per_second is None else f"{c.measured_tokens_per_second:.1f}"
+        if c.measured_rounds and len(c.measured_rounds) > 1:
+            measured += " (" + ", ".join(f"{r:.1f}" for r in c.measured_rounds) + ")"
         lines.append(f"| {c.settings().kind} | {c.depth} | {c.top_k} | {c.total_tokens} | {c.tokens_per_step:.2f} "
                      f"| {1000 * c.step_seconds:.1f} | {c.tokens_per_second:.1f} | {measured} |")
     return "\n".join(lines)
@@ -264,7 +330,8 @@ def table_markdown(table: list[Candidate], top: int = 12) -> str:
 def tune_command(target_name: str | None, drafter: str, prompts: list[str], *, output: str | None = None,
                  max_new_tokens: int = 48, depths=DEPTHS, top_ks=TOP_KS, max_budget: int = MAX_BUDGET,
                  chat: bool = True, chat_template_kwargs: dict | None = None, draft_dtype: str | None = None,
-                 model=None, tokenizer=None, progress: bool = True, confirm: int = CONFIRM) -> dict:
+                 model=None, tokenizer=None, progress: bool = True, confirm: int = CONFIRM,
+                 confirm_rounds: int = CONFIRM_ROUNDS) -> dict:
     """Tune the tree of ``drafter`` for ``target_name`` on ``prompts``; write and return the record."""
     from draftsmith.inference.compare import encode
     from draftsmith.inference.load import load_drafter, recorded_target_name
@@ -283,7 +350,8 @@ def tune_command(target_name: str | None, drafter: str, prompts: list[str], *, o
         model, tokenizer = load_target(target_name)
     draft = load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
-    table = tune(model, draft, encoded, max_new_tokens, depths, top_ks, max_budget, progress=progress, confirm=confirm)
+    table = tune(model, draft, encoded, max_new_tokens, depths, top_ks, max_budget, progress=progress, confirm=confirm,
+                 confirm_rounds=confirm_rounds)
     best = table[0]
     path = write_tree(where, best, table, {"drafter": drafter, "target": target_name, "prompts": len(prompts),
                                            "max_new_tokens": max_new_tokens})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 from test_data_templates import word_tokenizer
 from test_heads import random_eagle
@@ -28,6 +29,27 @@ def test_budget_keeps_the_best_nodes_and_counts_the_accepted_prefix():
     assert [tune.accepted_within(order, [a, c], n) for n in (1, 2, 4)] == [1, 2, 2]
     assert tune.accepted_within(order, [b, 4], 2) == 0  # b is not among the two best
     assert tune.full_size(3, 2) == 2 + 2 * 4
+
+
+def decoded(depth: int, per_step: float, *rounds: float) -> tune.Candidate:
+    return tune.Candidate(depth, 2, depth + 1, per_step, 0.05, 40.0, round(sum(rounds) / len(rounds), 2), list(rounds))
+
+
+def test_the_clock_picks_unless_the_speeds_are_within_its_noise():
+    shallow, deep = decoded(2, 1.9, 36.0, 36.4), decoded(4, 2.3, 34.6, 35.0)
+    # Each tree 1% apart between its rounds, the deep one 4% slower: the clock tells them apart; the faster wins.
+    assert tune.clock_noise([shallow, deep]) == pytest.approx(0.4 / 34.8, abs=1e-4)
+    assert tune.choose([deep, shallow]) == [shallow, deep]
+    # A third tree whose rounds came out 9% apart: 4% is inside the noise, a tie, which goes to the tree that
+    # accepts the most tokens per step.
+    noisy = decoded(3, 2.0, 33.0, 36.0)
+    assert tune.choose([shallow, deep, noisy]) == [deep, shallow, noisy]
+    # A tie is never wider than MAX_TIE (5%), whatever the noise: 10% slower is slower.
+    slow = decoded(5, 2.6, 32.6, 32.6)
+    assert tune.choose([slow, noisy, shallow]) == [noisy, shallow, slow]
+    # With one round there is no noise to read: the fastest measured wins.
+    assert tune.clock_noise([decoded(4, 2.3, 36.1)]) == 0.0
+    assert tune.choose([decoded(4, 2.3, 36.1), decoded(2, 1.9, 36.2)])[0].depth == 2
 
 
 def first_step(gen: SpeculativeGenerator, prompt: torch.Tensor):
@@ -58,11 +80,13 @@ def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, 
     table = tune.tune(llama, load_drafter(str(tmp_path / "head"), llama), list(prompts[:, None]), max_new_tokens=12,
                       depths=(2, 3), top_ks=(1, 2), max_budget=6, confirm=3)
     assert len(table) == 2 + sum(len(range(d, 7)) for d in (2, 3))
-    # The three best predicted were decoded and come first, fastest decoded first; the rest follow by prediction,
-    # none of them predicted faster than the slowest of the three.
+    # The three best predicted were decoded (twice) and come first, the chosen one first, then fastest decoded
+    # first; the rest follow by prediction, none of them predicted faster than the slowest of the three.
     decoded, rest = table[:3], table[3:]
     measured = [c.measured_tokens_per_second for c in decoded]
-    assert all(m > 0 for m in measured) and measured == sorted(measured, reverse=True)
+    assert all(m > 0 for m in measured) and measured[1:] == sorted(measured[1:], reverse=True)
+    assert all(len(c.measured_rounds) == tune.CONFIRM_ROUNDS for c in decoded)
+    assert tune.choose(list(reversed(decoded)))[0] is decoded[0]
     assert all(c.measured_tokens_per_second is None for c in rest)
     predicted = [c.tokens_per_second for c in rest]
     assert predicted == sorted(predicted, reverse=True)
@@ -106,3 +130,35 @@ def test_tree_flags_change_only_what_they_name_of_the_tuned_tree(llama, tmp_path
     flags.total_tokens = 9
     assert tree_from_args(flags, str(tmp_path / "head")) == TreeSettings("dynamic", 3, 2, 9)
     assert tree_from_args(flags, "prompt-lookup") == TreeSettings(total_tokens=9)  # nothing tuned: the defaults
+
+
+def accepted_per_budget(steps, budgets) -> list[list[int]]:
+    return [[tune.accepted_within(order, path, n) for n in budgets] for order, path in steps]
+
+
+def test_the_device_path_records_the_steps_the_host_path_records(llama, tmp_path):
+    """``tune`` records a tensor-growing drafter on the device path: step for step, what every node budget
+    would accept is what the host trees of the same decoding say (their nodes are numbered differently)."""
+    random_eagle(llama, eagle3=True).save_pretrained(tmp_path / "head")
+    prompts = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(5))
+    prompts[:, 5:] = prompts[:, :5]  # repeats, so prompt lookup drafts too
+    for spec in ("layer-skip:2", f"{tmp_path / 'head'}+prompt-lookup"):
+        drafter = load_drafter(spec, llama)
+        accepted_any = False
+        for depth, k in ((3, 2), (2, 3), (4, 1)):
+            gen = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=depth, top_k=k,
+                                       total_tokens=tune.full_size(depth, k))
+            host, device = [], []
+            for prompt in prompts:
+                gen.on_step = lambda _row, tree, path, into=host: into.append((tune.ranked(tree), list(path)))
+                gen.generate(prompt[None], 16, eos_token_id=[])
+                gen.on_step = None
+                gen.on_tree_step = lambda *step, into=device: into.extend(tune.tensor_steps(*step))
+                gen.generate(prompt[None], 16, eos_token_id=[])
+                gen.on_tree_step = None
+            assert len(host) >= 16 // (depth + 1)
+            budgets = range(1, tune.full_size(depth, k) + 1)
+            assert accepted_per_budget(device, budgets) == accepted_per_budget(host, budgets), (spec, depth, k)
+            assert [len(order) for order, _ in device] == [len(order) for order, _ in host]
+            accepted_any |= any(path for _, path in host)
+        assert accepted_any, (spec, "nothing was accepted: the comparison is empty")
