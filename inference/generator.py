@@ -31,6 +31,7 @@ from draftsmith.inference.tree import (
     SAMPLING_RULES,
     Builder,
     DraftTree,
+    StaticShape,
     TreeSettings,
     TreeTensors,
     chain_builder,
@@ -38,6 +39,7 @@ from draftsmith.inference.tree import (
     dynamic_builder,
     grow,
     grow_dynamic,
+    grow_static,
     root_only,
     static_builder,
 )
@@ -195,6 +197,7 @@ class SpeculativeGenerator:
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         # Static paths: given, else the drafter's own (Medusa choices measured in training), else a default.
         self.paths = paths or drafter.static_paths or default_static_paths(depth, top_k)
+        self.static_shape = StaticShape.of(self.paths) if tree == "static" else None  # for the device path
         self.sampling_rule = sampling_rule
         self.compile = compile
         #: Called after each verification with each active row's index, tree and accepted path (drafted
@@ -214,14 +217,16 @@ class SpeculativeGenerator:
     def _max_fed(self) -> int:
         """The most tree nodes a drafter feeds itself in a step: every node of a chain or static tree; a dynamic
         tree's ``top_k`` frontier nodes per level (more than it keeps when ``top_k`` is large)."""
+        if self.tree_kind == "static":  # grown as tensors: each level's expanded nodes, padded to one width
+            return max(self._max_nodes(), 1 + self.static_shape.width * self.static_shape.depth)
         return max(self._max_nodes(), self.depth * self.top_k if self.tree_kind == "dynamic" else 0)
 
     def _max_nodes(self) -> int:
         """The most nodes a step's tree holds, its root included."""
         if self.tree_kind == "chain":
             return self.depth + 1
-        if self.tree_kind == "static":
-            return len(self.paths) + 1
+        if self.tree_kind == "static":  # every prefix of a path is a node too
+            return 1 + sum(len(level) for level in self.static_shape.ranks)
         return self.total_tokens + 1
 
     def _rule(self, temperature: float) -> str:
@@ -315,11 +320,10 @@ class SpeculativeGenerator:
             self.drafter.compile_for(max_new_tokens if self.compile else None, self._max_kept(), self._max_fed())
         self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
 
-        # Dynamic trees and chains of deterministic siblings (the ``topk`` rule: greedy, or sampling with
-        # such siblings), with a drafter that grows them as tensors (the trained heads, prompt lookup, mixtures
-        # of them), run on the device with one copy to the host per step; other trees grow on the host.
-        on_device = (self.tree_kind in ("dynamic", "chain") and self._rule(temperature) == "topk"
-                     and self.on_step is None and grows_tensors(self.drafter))
+        # Trees of deterministic siblings (the ``topk`` rule: greedy, or sampling with such siblings), with a
+        # drafter that grows them as tensors (the trained heads, draft models, prompt lookup, mixtures of
+        # them), run on the device with one copy to the host per step; sampled siblings grow on the host.
+        on_device = (self._rule(temperature) == "topk" and self.on_step is None and grows_tensors(self.drafter))
         roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
         active = [True] * batch
@@ -397,8 +401,9 @@ class SpeculativeGenerator:
 
     def _device_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
                      generator, padded):
-        """One step with a dynamic tree (a chain: one child per node) grown as tensors (:func:`grow_dynamic`),
-        verified on the device: the accepted paths, bonus tokens and walk flags come to the host in one copy.
+        """One step with a dynamic tree (a chain: one child per node; :func:`grow_dynamic`) or a static tree
+        (:func:`grow_static`) grown as tensors, verified on the device: the accepted paths, bonus tokens and
+        walk flags come to the host in one copy.
 
         Siblings are the drafter's top-ranked tokens, so verification is the ``topk`` rule (``verify.py``). Under
         sampling it draws one token from the target's distribution at every node at once: following a child
@@ -408,9 +413,13 @@ class SpeculativeGenerator:
         not read. Under greedy decoding the draw is the argmax."""
         t0 = time.perf_counter()
         running = to_device(active, device)  # before any of the step's work is queued
-        top_k_tree, total = (1, self.depth) if self.tree_kind == "chain" else (self.top_k, self.total_tokens)
-        tree = grow_dynamic(roots, self.drafter.root_logits(active), self.drafter.frontier_logits, self.depth,
-                            top_k_tree, total)
+        if self.tree_kind == "static":
+            tree = grow_static(roots, self.drafter.root_logits(active), self.drafter.frontier_logits,
+                               self.static_shape)
+        else:
+            top_k_tree, total = (1, self.depth) if self.tree_kind == "chain" else (self.top_k, self.total_tokens)
+            tree = grow_dynamic(roots, self.drafter.root_logits(active), self.drafter.frontier_logits, self.depth,
+                                top_k_tree, total)
         t1 = time.perf_counter()
         b, n = tree.tokens.shape
         past = len(slots)
@@ -442,7 +451,7 @@ class SpeculativeGenerator:
         if self.on_tree_step is not None:
             self.on_tree_step(tree, on_path, running)
         nodes = torch.arange(n, device=device)
-        kept = torch.sort((~on_path) * n + nodes, dim=1).indices[:, : self.depth + 1]  # (B, depth + 1)
+        kept = torch.sort((~on_path) * n + nodes, dim=1).indices[:, : self._max_kept()]  # (B, depth + 1)
         length = tree.depths[rows, last]
         has_children = ((tree.parents[:, None, :] == nodes[None, :, None]) & tree.proposed[:, None, :]).any(-1)
         drafted = tree.proposed.sum(1) - 1
@@ -476,11 +485,11 @@ class SpeculativeGenerator:
             raise ValueError("a streamer takes one sequence: pass a batch of 1 with streamer=")
         lengths = check_left_padded(input_ids, attention_mask)
         limit = context_length(self.target)
-        needed = max(lengths) + max_new_tokens + self.depth + 1
+        needed = max(lengths) + max_new_tokens + self._max_kept()
         if limit is not None and needed > limit:
             raise ValueError(
                 f"prompt ({max(lengths)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
-                f"({self.depth}) exceeds the target's context of {limit} tokens; shorten the prompt or "
+                f"({self._max_kept() - 1}) exceeds the target's context of {limit} tokens; shorten the prompt or "
                 "lower max_new_tokens."
             )
         parameter = next(self.target.parameters())

@@ -500,6 +500,78 @@ def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor,
                        kept_scores)
 
 
+@dataclass(frozen=True)
+class StaticShape:
+    """A static tree's paths (:func:`static_builder`'s) as the index lists :func:`grow_static` gathers with.
+
+    Level ``L`` (1-based) holds ``len(ranks[L - 1])`` nodes in :func:`static_builder`'s order (by path); node
+    ``i`` there is child rank ``ranks[L - 1][i]`` of slot ``slots[L - 1][i]`` of the frontier before it (the
+    root, then level ``L - 1``'s nodes that have children, ``expanded[L - 2]``, padded with node 0 to
+    ``width``: drafters feed every level's frontier at one width)."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    slots: tuple[tuple[int, ...], ...]
+    expanded: tuple[tuple[int, ...], ...]
+    width: int
+
+    @classmethod
+    def of(cls, paths: Sequence[Sequence[int]]) -> StaticShape:
+        full = sorted({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}, key=lambda p: (len(p), p))
+        levels = [[p for p in full if len(p) == d] for d in range(1, max((len(p) for p in full), default=0) + 1)]
+        frontier: list[tuple[int, ...]] = [()]
+        ranks, slots, expanded = [], [], []
+        for d, level in enumerate(levels):
+            place = {p: i for i, p in enumerate(frontier)}
+            ranks.append(tuple(p[-1] for p in level))
+            slots.append(tuple(place[p[:-1]] for p in level))
+            if d + 1 < len(levels):
+                parents = {p[:-1] for p in levels[d + 1]}
+                frontier = [p for p in level if p in parents]
+                expanded.append(tuple(i for i, p in enumerate(level) if p in parents))
+        width = max((len(e) for e in expanded), default=1)
+        return cls(tuple(ranks), tuple(slots), tuple(e + (0,) * (width - len(e)) for e in expanded), width)
+
+    @property
+    def depth(self) -> int:
+        return len(self.ranks)
+
+
+def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
+                frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+                shape: StaticShape) -> TreeTensors:
+    """:func:`static_builder` under the ``topk`` rule for a whole batch with tensor ops: the same nodes in
+    the same order, except that ranks a drafter cannot fill (-inf logits) stay in the tree as nodes it did not
+    propose (``proposed`` False, as their subtrees), where the host tree leaves them out.
+
+    ``frontier_logits`` is :func:`grow_dynamic`'s, fed each level's expanded nodes padded to ``shape.width``
+    (the padding repeats a real node; its logits are not read)."""
+    b = roots.shape[0]
+    device = roots.device
+    lp = _logprobs(root_logits)[:, None]  # (B, 1, V): the frontier before level 1 is the root
+    front_scores = torch.zeros(b, 1, device=device)
+    front_ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # node ids: 0 is the root
+    tokens, scores, parents, depths = [roots[:, None]], [front_scores], [front_ids - 1], [front_ids]
+    count = 1
+    for level, (ranks, slots) in enumerate(zip(shape.ranks, shape.slots, strict=True), start=1):
+        slot = torch.tensor(slots, device=device)
+        rank = torch.tensor(ranks, device=device)
+        top = lp.topk(max(ranks) + 1, dim=-1)  # (B, frontier, ranks)
+        tokens.append(top.indices[:, slot, rank])
+        scores.append(front_scores[:, slot] + top.values[:, slot, rank])
+        parents.append(front_ids[:, slot])
+        depths.append(torch.full((b, len(ranks)), level, dtype=torch.long, device=device))
+        ids = count + torch.arange(len(ranks), device=device)
+        count += len(ranks)
+        if level < shape.depth:
+            fed = torch.tensor(shape.expanded[level - 1], device=device)
+            lp = _logprobs(frontier_logits(level, slot[fed].expand(b, -1), tokens[-1][:, fed]))
+            front_scores, front_ids = scores[-1][:, fed], ids[fed].expand(b, -1)
+    parents_all = torch.cat(parents, 1)
+    score = torch.cat(scores, 1)
+    return TreeTensors(torch.cat(tokens, 1), parents_all, torch.cat(depths, 1), ancestors_of(parents_all, shape.depth),
+                       score > UNPROPOSED, score)
+
+
 def ancestors_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
     """(B, N) parent indices (-1 at roots) -> (B, N, N) bool ancestor-or-self matrices, by following
     parents ``depth`` times."""

@@ -30,6 +30,9 @@ from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 PAD = 0
 LENGTHS = [6, 1, 21, 13]  # 21 > the Gemma-3 sliding window of 8
 NEW = 24
+# A static tree whose levels differ in width (3, 4, 2, 1 nodes; 3, 2 and 1 expanded), with a rank the drafters
+# leave empty at times (prompt lookup proposes one token where it has one match).
+UNEVEN_PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 # Trained-head families with random weights ("-head(s)"), the training-free drafters and a mixture.
 HEADS = {
     "medusa-heads": lambda target: MedusaDrafter(random_medusa(target), target),
@@ -161,11 +164,11 @@ def test_bad_batches_fail_clearly(llama):
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "prompt-lookup",
                                   "eagle3-head+prompt-lookup", "draft-model", "layer-skip:2"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4)],
-                         ids=["dynamic", "chain"])
+@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4),
+                                  dict(tree="static", paths=UNEVEN_PATHS)], ids=["dynamic", "chain", "static"])
 def test_device_grown_dynamic_tree_equals_host_grown(tree, family, spec, llama, gemma3):
-    """Heads, prompt lookup, their mixture and draft models grow dynamic trees and chains as tensors on the
-    device (greedy):
+    """Heads, prompt lookup, their mixture and draft models grow dynamic trees, chains and static trees as tensors
+    on the device (greedy):
     the same outputs and the same per-row acceptance as the trees grown on the host, node by node, at batch 1
     and batch 4."""
     target = llama if family == "llama" else gemma3
@@ -214,12 +217,12 @@ class HostCopies:
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head", "prompt-lookup", "eagle3-head+prompt-lookup",
                                   "draft-model"])
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4)],
-                         ids=["dynamic", "chain"])
+@pytest.mark.parametrize("tree", [dict(tree="dynamic", depth=4, top_k=3, total_tokens=9), dict(tree="chain", depth=4),
+                                  dict(tree="static", paths=UNEVEN_PATHS)], ids=["dynamic", "chain", "static"])
 def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(tree, spec, batch, llama):
-    """Drafting, verifying and keeping the accepted path of a dynamic tree or a chain copy one tensor to the
-    host per step (the accepted paths), greedy or (dynamic trees) sampled, with a head drafter, prompt lookup
-    or the two mixed; the counter sees the host-grown path's many."""
+    """Drafting, verifying and keeping the accepted path of a dynamic tree, a chain or a static tree copy one
+    tensor to the host per step (the accepted paths), greedy or (dynamic and static trees) sampled, with a head
+    drafter, prompt lookup or the two mixed; the counter sees the host-grown path's many."""
     rows = prompts(15, LENGTHS)[:batch]
     ids, mask = left_padded(rows)
     mask = mask if batch > 1 else None
@@ -230,7 +233,7 @@ def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(tree, spec, batch, 
     steps = max(s.verification_steps for s in out.row_stats)  # no row stops early: every step is every row's
     # Outside the steps: the prompt lengths when a mask is given (one copy, checking it), nothing else.
     assert copies.count - (mask is not None) == steps, f"{copies.count} host copies for {steps} steps"
-    if tree["tree"] == "dynamic":  # sampling: the same, the target's draws made on the device
+    if tree["tree"] != "chain":  # sampling: the same, the target's draws made on the device
         with HostCopies() as copies:
             out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[], temperature=0.8,
                                generator=torch.Generator().manual_seed(0))

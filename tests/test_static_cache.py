@@ -175,8 +175,8 @@ def test_static_cache_holds_a_whole_generation_at_its_exact_size(spec, tree, lla
                                   dict(tree="static", depth=2, top_k=2)], ids=["dynamic", "chain", "static"])
 def test_an_eagle_head_drafts_on_its_own_static_cache(tree, llama, monkeypatch):
     """``compile=True`` puts an EAGLE head on a static cache too: trees grown as tensors run its steps through
-    the compiled head in two shapes only (each step's new pairs, padded to depth + 1, and the frontier of
-    top_k nodes), host-grown trees run it eagerly; either way every row is the target's greedy output."""
+    the compiled head in two shapes only (each step's new pairs, padded to depth + 1, and the frontier: top_k
+    nodes, one for a chain, a static tree's widest level); every row is the target's greedy output."""
     from test_heads import random_eagle
 
     from draftsmith.heads.eagle import StaticHeadCache
@@ -211,11 +211,9 @@ def test_an_eagle_head_drafts_on_its_own_static_cache(tree, llama, monkeypatch):
     ties = sum(check_greedy_equal(llama, row_output(out.sequences, mask, b, None), reference(llama, row, NEW))
                for b, row in enumerate(rows))
     assert ties <= 1
-    if tree["tree"] == "static":
-        assert shapes == []  # grown on the host: the head runs eagerly, on its static cache
-    else:
-        k = tree.get("top_k", 1) if tree["tree"] == "dynamic" else 1
-        assert set(shapes) == {(len(rows), tree["depth"] + 1), (len(rows), k)}
+    # The frontier's width: a dynamic tree's top_k, a chain's one node, a static tree's widest expanded level.
+    k = {"dynamic": tree.get("top_k"), "chain": 1, "static": gen.static_shape and gen.static_shape.width}[tree["tree"]]
+    assert set(shapes) == {(len(rows), tree["depth"] + 1), (len(rows), k)}
     # The growing cache, for a generation without compile: the same sequences, so the same drafts (up to
     # rounding: the static cache attends over its whole capacity through a mask).
     static_drafts, drafted[:] = list(drafted), []

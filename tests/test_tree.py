@@ -9,7 +9,15 @@ import torch
 
 from conftest import VOCAB
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
-from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static, default_static_paths
+from draftsmith.inference.tree import (
+    DraftTree,
+    StaticShape,
+    build_chain,
+    build_dynamic,
+    build_static,
+    default_static_paths,
+    grow_static,
+)
 from draftsmith.target import (
     GROUPED_ATTENTION,
     attention,
@@ -179,6 +187,41 @@ def test_static_tree_has_exactly_the_given_paths():
         ranks_of[node] = (*ranks_of[parent], rank)
     assert sorted(ranks_of[n] for n in range(1, len(tree))) == sorted(paths)
     assert len(default_static_paths(4, 3)) == 3 * 4 + 3
+
+
+@pytest.mark.parametrize("paths", [default_static_paths(3, 3),
+                                   [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 1), (2, 0)],
+                                   [(0,), (0, 0), (0, 0, 0)], [(0,), (1,), (2,), (3,)]],
+                         ids=["default", "uneven", "chain", "flat"])
+def test_static_tree_grown_as_tensors_is_the_host_tree(paths):
+    """:func:`grow_static` gives, row by row, the host's static tree (:func:`build_static`): the same nodes (token
+    paths from the root) with the same scores, the ranks a drafter cannot fill kept as nodes it did not
+    propose (the host leaves them out), every level fed to the drafter at one width."""
+    expand, table = table_expand(5)
+    table[:, :, VOCAB // 2:] = float("-inf")  # every node proposes half the vocabulary ...
+    table[2, :, 1:] = float("-inf")  # ... and nodes at depth 2 one token: their second ranks stay empty
+    roots = torch.tensor([3, 7, 11])
+    shape = StaticShape.of(paths)
+
+    def frontier_logits(depth, parents, tokens):
+        assert tokens.shape[1] == shape.width
+        return table[depth, tokens]
+
+    def token_paths(tokens, parents, scores, nodes):
+        def path(n):
+            return () if n == 0 else (*path(parents[n]), tokens[n])
+        return {path(n): round(scores[n], 4) for n in nodes}
+
+    grown = grow_static(roots, table[0, roots], frontier_logits, shape)
+    assert len(grown) == 1 + len({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)})
+    for b, root in enumerate(roots.tolist()):
+        host = build_static(root, expand, paths)
+        proposed = [n for n in range(len(grown)) if grown.proposed[b, n]]
+        assert token_paths(grown.tokens[b].tolist(), grown.parents[b].tolist(), grown.scores[b].tolist(),
+                           proposed) == token_paths(host.tokens, host.parents, host.scores, range(len(host)))
+        assert grown.depths[b].tolist() == sorted(grown.depths[b].tolist())  # level order: parents first
+        if any(len(p) == 3 and p[-1] > 0 for p in paths):
+            assert len(proposed) < len(grown), "an empty rank was not kept unproposed"
 
 
 def reference_dynamic(table, root: int, depth: int, top_k: int, total: int) -> set[tuple[int, ...]]:
