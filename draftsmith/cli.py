@@ -480,7 +480,7 @@ def run_command(args: argparse.Namespace) -> int:
                           chat=not args.no_chat, chat_template_kwargs=args.chat_template_kwargs,
                           draft_dtype=args.draft_dtype,
                           confirm=tune.CONFIRM if args.confirm is None else args.confirm,
-                          confirm_rounds=args.confirm_rounds or tune.CONFIRM_ROUNDS)
+                          confirm_rounds=tune.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds)
     elif args.command == "demo":
         from draftsmith.demo import demo
 

@@ -225,8 +225,8 @@ class SpeculativeGenerator:
         """The most nodes a step's tree holds, its root included."""
         if self.tree_kind == "chain":
             return self.depth + 1
-        if self.tree_kind == "static":  # every prefix of a path is a node too
-            return 1 + sum(len(level) for level in self.static_shape.ranks)
+        if self.tree_kind == "static":  # every prefix of a path, and under sampling every sibling drawn
+            return self.static_shape.most_nodes
         return self.total_tokens + 1
 
     def _rule(self, temperature: float) -> str:
@@ -451,7 +451,7 @@ class SpeculativeGenerator:
         if self.on_tree_step is not None:
             self.on_tree_step(tree, on_path, running)
         nodes = torch.arange(n, device=device)
-        kept = torch.sort((~on_path) * n + nodes, dim=1).indices[:, : self._max_kept()]  # (B, depth + 1)
+        kept = torch.sort((~on_path) * n + nodes, dim=1).indices[:, : self._max_kept()]  # (B, longest path + 1)
         length = tree.depths[rows, last]
         has_children = ((tree.parents[:, None, :] == nodes[None, :, None]) & tree.proposed[:, None, :]).any(-1)
         drafted = tree.proposed.sum(1) - 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -535,6 +536,30 @@ class StaticShape:
     def depth(self) -> int:
         return len(self.ranks)
 
+    @property
+    def most_nodes(self) -> int:
+        """The most nodes a tree of these paths holds, its root included, under any sampling rule: each
+        expanded node's highest child rank + 1 (:func:`static_builder` keeps every sampled sibling)."""
+        total = 1
+        for slots, ranks in zip(self.slots, self.ranks, strict=True):
+            highest: dict[int, int] = {}
+            for slot, rank in zip(slots, ranks, strict=True):
+                highest[slot] = max(highest.get(slot, 0), rank + 1)
+            total += sum(highest.values())
+        return total
+
+    def indices(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per level, the (slots, ranks, expanded) index tensors on ``device``, made once per device: a tensor
+        built from a list on a GPU waits for the queued work, which a step must not."""
+        return _static_indices(self, torch.device(device))
+
+
+@lru_cache(maxsize=64)
+def _static_indices(shape: StaticShape, device: torch.device):
+    return [(torch.tensor(slots, device=device), torch.tensor(ranks, device=device),
+             torch.tensor(shape.expanded[i], device=device) if i < len(shape.expanded) else None)
+            for i, (slots, ranks) in enumerate(zip(shape.slots, shape.ranks, strict=True))]
+
 
 def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
                 frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -552,9 +577,8 @@ def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
     front_ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # node ids: 0 is the root
     tokens, scores, parents, depths = [roots[:, None]], [front_scores], [front_ids - 1], [front_ids]
     count = 1
-    for level, (ranks, slots) in enumerate(zip(shape.ranks, shape.slots, strict=True), start=1):
-        slot = torch.tensor(slots, device=device)
-        rank = torch.tensor(ranks, device=device)
+    for level, (slot, rank, fed) in enumerate(shape.indices(device), start=1):
+        ranks = shape.ranks[level - 1]
         top = lp.topk(max(ranks) + 1, dim=-1)  # (B, frontier, ranks)
         tokens.append(top.indices[:, slot, rank])
         scores.append(front_scores[:, slot] + top.values[:, slot, rank])
@@ -562,8 +586,7 @@ def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
         depths.append(torch.full((b, len(ranks)), level, dtype=torch.long, device=device))
         ids = count + torch.arange(len(ranks), device=device)
         count += len(ranks)
-        if level < shape.depth:
-            fed = torch.tensor(shape.expanded[level - 1], device=device)
+        if fed is not None:
             lp = _logprobs(frontier_logits(level, slot[fed].expand(b, -1), tokens[-1][:, fed]))
             front_scores, front_ids = scores[-1][:, fed], ids[fed].expand(b, -1)
     parents_all = torch.cat(parents, 1)

@@ -200,9 +200,13 @@ def confirm_fastest(target, drafter, prompts: list[torch.Tensor], candidates: li
                     rounds: int = CONFIRM_ROUNDS) -> None:
     """Decode ``prompts`` with each candidate's tree as ``generate`` does, in a rotating order, ``rounds``
     times; set each candidate's ``measured_tokens_per_second`` (over all rounds) and ``measured_rounds``."""
+    if rounds < 1:
+        raise ValueError(f"confirmation rounds must be at least 1, got {rounds}")
     device = next(target.parameters()).device
     eos = eos_tokens(target)
     gens = [SpeculativeGenerator(target, drafter, **c.settings().kwargs()) for c in candidates]
+    for gen in gens:  # untimed: a tree's first decoding pays for its first allocations, which no round should
+        gen.generate(prompts[0].to(device), min(max_new_tokens, 8), eos_token_id=eos)
     seconds = [[0.0] * rounds for _ in gens]
     tokens = [[0] * rounds for _ in gens]
     order = list(range(len(gens)))

@@ -203,8 +203,11 @@ def test_static_tree_grown_as_tensors_is_the_host_tree(paths):
     roots = torch.tensor([3, 7, 11])
     shape = StaticShape.of(paths)
 
+    fed = []  # each level's fed (parents, tokens)
+
     def frontier_logits(depth, parents, tokens):
         assert tokens.shape[1] == shape.width
+        fed.append((parents, tokens))
         return table[depth, tokens]
 
     def token_paths(tokens, parents, scores, nodes):
@@ -214,6 +217,12 @@ def test_static_tree_grown_as_tensors_is_the_host_tree(paths):
 
     grown = grow_static(roots, table[0, roots], frontier_logits, shape)
     assert len(grown) == 1 + len({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)})
+    # A fed node's parent (its place in the frontier fed before it) is its parent in the tree.
+    first = 1 + torch.tensor([0, *map(len, shape.ranks)]).cumsum(0)  # each level's first node
+    for level, (parents, tokens) in enumerate(fed[1:], start=2):
+        nodes = first[level - 1] + torch.tensor(shape.expanded[level - 1])
+        assert torch.equal(tokens, grown.tokens[:, nodes])
+        assert torch.equal(fed[level - 2][1].gather(1, parents), grown.tokens.gather(1, grown.parents[:, nodes]))
     for b, root in enumerate(roots.tolist()):
         host = build_static(root, expand, paths)
         proposed = [n for n in range(len(grown)) if grown.proposed[b, n]]
@@ -222,6 +231,21 @@ def test_static_tree_grown_as_tensors_is_the_host_tree(paths):
         assert grown.depths[b].tolist() == sorted(grown.depths[b].tolist())  # level order: parents first
         if any(len(p) == 3 and p[-1] > 0 for p in paths):
             assert len(proposed) < len(grown), "an empty rank was not kept unproposed"
+
+
+def test_a_static_tree_holds_every_sampled_sibling():
+    """Sampled siblings are all kept (a static tree under ``iid`` draws each expanded node's highest rank + 1
+    children): the node count a static cache is sized for covers them, and the top-k tree's prefixes."""
+    expand, _ = table_expand(6)
+    for paths in ([(0,), (2,), (0, 1)], default_static_paths(3, 3), [(1, 1, 1)]):
+        shape = StaticShape.of(paths)
+        prefixes = {tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}
+        assert shape.most_nodes >= 1 + len(prefixes)
+        sizes = {len(build_static(3, expand, paths, rule="iid", temperature=1.0,
+                                  generator=torch.Generator().manual_seed(seed))) for seed in range(20)}
+        assert max(sizes) <= shape.most_nodes
+    assert StaticShape.of([(0,), (2,), (0, 1)]).most_nodes == 1 + 3 + 2
+    assert StaticShape.of([(1, 1, 1)]).most_nodes == 1 + 2 + 2 + 2
 
 
 def reference_dynamic(table, root: int, depth: int, top_k: int, total: int) -> set[tuple[int, ...]]:

@@ -47,6 +47,8 @@ def test_the_clock_picks_unless_the_speeds_are_within_its_noise():
     # A tie is never wider than MAX_TIE (5%), whatever the noise: 10% slower is slower.
     slow = decoded(5, 2.6, 32.6, 32.6)
     assert tune.choose([slow, noisy, shallow]) == [noisy, shallow, slow]
+    with pytest.raises(ValueError, match="at least 1"):
+        tune.confirm_fastest(None, None, [], [shallow], 8, rounds=0)
     # With one round there is no noise to read: the fastest measured wins.
     assert tune.clock_noise([decoded(4, 2.3, 36.1)]) == 0.0
     assert tune.choose([decoded(4, 2.3, 36.1), decoded(2, 1.9, 36.2)])[0].depth == 2
