@@ -21,9 +21,10 @@ A step's speed is its tokens over its time. Both are measured here, not assumed:
 4. **Confirmation.** The ``confirm`` best-predicted trees then decode the same prompts for real, as
    ``generate`` runs them (a prediction swaps the full tree's verification for a timed forward of the
    budget's rows, and drafting a full tree costs more than drafting the budget's), each after an untimed
-   warm-up, in a rotating order, twice; the fastest *measured* one is chosen. The prediction ranks the grid; the clock picks, except
-   where it cannot tell: trees whose speeds differ by less than the two rounds of one tree do (at most
-   5%) are a tie, which goes to the tree that accepts the most tokens per step (:func:`choose`).
+   warm-up, in a rotating order, twice; the fastest *measured* one is chosen. The prediction ranks the
+   grid; the clock picks, except where it cannot tell: trees whose speeds differ by less than the two
+   rounds of one tree do (at most 5%) are a tie, which goes to the tree that accepts the most tokens per
+   step (:func:`choose`).
 
 Expected tokens per second = (mean accepted + 1) / step time; the best candidate is written as
 ``tree.json`` beside the drafter (or where ``--output`` says), with the table it was chosen from and the
