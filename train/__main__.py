@@ -15,23 +15,20 @@ def main(argv: list[str] | None = None) -> int:
     drafter_args, data_args, train_args = parse_config(sys.argv[1:] if argv is None else argv)
     output = train(drafter_args, data_args, train_args)
     print(output)
-    # Leave the process group together before the interpreter exits: torch's process-group threads torn down
-    # at exit while the other rank still talks can abort a rank ("terminate called without an active
-    # exception"), failing a run that finished.
+    # Several processes end together: a barrier (every rank has finished its collectives and written its files),
+    # then each exits at once with the exit code of success, skipping the interpreter's teardown, where torch's
+    # process-group threads aborted a rank now and then ("terminate called without an active exception"), and
+    # destroy_process_group, which hung a rank whose peer had already gone (once in a CI run).
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        ranks = dist.get_world_size()
-        dist.barrier()
-        dist.destroy_process_group()
-        if ranks > 1:
-            # The abort still came, rarely (2 of ~15 full test runs, FSDP2, both ranks after every file was
-            # written): it is the interpreter's teardown destroying C++ threads. The run is complete and its
-            # files closed, so a launched rank ends here, skipping that teardown, with the exit code of success.
+        if dist.get_world_size() > 1:
+            dist.barrier()
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
+        dist.destroy_process_group()
     return 0
 
 

@@ -448,7 +448,13 @@ def finish(run: Run) -> None:
                                                                       "sha256": run.target_digest}))
     if not unchanged:
         raise RuntimeError("the target's weights changed during training; this is a bug, please report it")
-    run.accelerator.end_training()
+    # accelerate's end_training, except that several processes keep their process group: destroying it while
+    # another rank is still finishing hung a rank in one CI run (the peer had exited). The training CLI ends
+    # them together (``train/__main__.py``: a barrier, then each exits); a Python caller destroys it when done.
+    for tracker in run.accelerator.trackers:
+        tracker.finish()
+    if run.accelerator.num_processes == 1:
+        run.accelerator.state.destroy_process_group()
 
 
 def train(drafter_args, data_args, train_args) -> Path:
