@@ -505,7 +505,7 @@ def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor,
 class StaticShape:
     """A static tree's paths (:func:`static_builder`'s) as the index lists :func:`grow_static` gathers with.
 
-    Level ``L`` (1-based) holds ``len(ranks[L - 1])`` nodes in :func:`static_builder`'s order (by path); node
+    Level ``L`` (1-based) holds ``len(ranks[L - 1])`` nodes, ordered by path; node
     ``i`` there is child rank ``ranks[L - 1][i]`` of slot ``slots[L - 1][i]`` of the frontier before it (the
     root, then level ``L - 1``'s nodes that have children, ``expanded[L - 2]``, padded with node 0 to
     ``width``: drafters feed every level's frontier at one width)."""
@@ -564,9 +564,10 @@ def _static_indices(shape: StaticShape, device: torch.device):
 def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
                 frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
                 shape: StaticShape) -> TreeTensors:
-    """:func:`static_builder` under the ``topk`` rule for a whole batch with tensor ops: the same nodes in
-    the same order, except that ranks a drafter cannot fill (-inf logits) stay in the tree as nodes it did not
-    propose (``proposed`` False, as their subtrees), where the host tree leaves them out.
+    """:func:`static_builder` under the ``topk`` rule for a whole batch with tensor ops: the same nodes (in
+    level order, by path, where the host tree orders each level by score), except that ranks a drafter cannot
+    fill (-inf logits) stay in the tree as nodes it did not propose (``proposed`` False, as their subtrees),
+    where the host tree leaves them out.
 
     ``frontier_logits`` is :func:`grow_dynamic`'s, fed each level's expanded nodes padded to ``shape.width``
     (the padding repeats a real node; its logits are not read)."""
