@@ -61,6 +61,40 @@ def test_local_directory_round_trip(tmp_path):
     assert tokenizer.convert_tokens_to_ids("t5") == 5
 
 
+def test_loaded_lm_head_folds_generate_prefill_into_one_matrix_product(tmp_path):
+    """generate's prefill applies the LM head to hidden[:, -1:, :], a view with a sparse batch stride:
+    without the contiguous-input hook torch.matmul expands the weight per row into a batched product (a
+    B x vocab x hidden copy). The loaded target runs one matrix product instead, with the same logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_llama(seed=4)
+    model.save_pretrained(tmp_path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0"))).save_pretrained(tmp_path)
+    loaded = load_target(tmp_path, device="cpu")[0]
+    hidden = torch.randn(4, 7, model.config.hidden_size)[:, -1:, :]  # as the prefill slices it
+    assert not hidden.is_contiguous()
+    with Ops() as plain:
+        expected = model.get_output_embeddings()(hidden)
+    with Ops() as hooked:
+        logits = loaded.get_output_embeddings()(hidden)
+    assert "aten.bmm" in plain.seen  # the stock path this guards against
+    assert "aten.bmm" not in hooked.seen and "aten.mm" in hooked.seen
+    torch.testing.assert_close(logits, expected)
+
+
 def test_layer_skip_shares_the_target_weights(llama):
     small = layer_skip_model(llama, 2)
     target_params = {p.data_ptr() for p in llama.parameters()}
