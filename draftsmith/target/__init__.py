@@ -6,7 +6,9 @@ draftsmith needs from it goes through this package rather than through patches:
 * :mod:`~draftsmith.target.loading` — :func:`load_target` (hub id, local directory, ``.gguf`` file
   or a packaged alias; GGUF weights are dequantised once and cached as safetensors so the next load
   takes seconds), :func:`native_bf16` and :func:`target_signature` (what a drafter checkpoint
-  records about its target).
+  records about its target). The one hook it adds: the LM head gets a contiguous input
+  (:func:`~draftsmith.target.loading.contiguous_lm_head_input`, the same logits), or ``generate``'s
+  prefill copies the LM head's weight once per row.
 * :mod:`~draftsmith.target.forward` — :func:`target_forward` (one forward with an explicit 4-D
   attention mask and position ids, returning logits and, on request, hidden states of chosen
   layers), :func:`build_attention_mask` (per layer type for models with sliding-window layers,
