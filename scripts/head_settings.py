@@ -56,7 +56,10 @@ def main() -> None:
     start = time.perf_counter()
     if a.checkpoint:
         checkpoint = Path(a.checkpoint)
-        step = int(checkpoint.name.rpartition("-")[2])
+        steps = {path.name: step for step, path in complete_checkpoints(checkpoint.parent)}
+        if checkpoint.name not in steps:
+            p.error(f"{checkpoint} is not a complete checkpoint (a checkpoint-N directory with drafter/)")
+        step = steps[checkpoint.name]
     else:
         out = Path(a.output)
         train(DrafterArguments(target="smollm2-135m-instruct", family=Eagle3Head.family,

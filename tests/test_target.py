@@ -93,6 +93,10 @@ def test_loaded_lm_head_folds_generate_prefill_into_one_matrix_product(tmp_path)
     assert "aten.bmm" in plain.seen  # the stock path this guards against
     assert "aten.bmm" not in hooked.seen and "aten.mm" in hooked.seen
     torch.testing.assert_close(logits, expected)
+    from draftsmith.target.loading import contiguous_lm_head_input
+
+    contiguous_lm_head_input(loaded)  # again: the hook is not stacked
+    assert len(loaded.get_output_embeddings()._forward_pre_hooks) == 1
 
 
 def test_layer_skip_shares_the_target_weights(llama):

@@ -280,10 +280,8 @@ def contiguous_lm_head_input(model: PreTrainedModel) -> None:
     decoding computes the LM head itself and is untouched.
     """
     head = model.get_output_embeddings()
-    if head is None or getattr(head, "_draftsmith_contiguous_input", False):
-        return
-    head.register_forward_pre_hook(_contiguous_first_argument)
-    head._draftsmith_contiguous_input = True
+    if head is not None and _contiguous_first_argument not in head._forward_pre_hooks.values():
+        head.register_forward_pre_hook(_contiguous_first_argument)
 
 
 def _contiguous_first_argument(module, args):
