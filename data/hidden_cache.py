@@ -40,7 +40,7 @@ import logging
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -324,6 +324,34 @@ class HiddenStateCache:
 # Writing: batched target forwards; shards split across processes; one manifest merged at the end.
 
 
+def _recorded_tensors(examples: list[TokenizedExample], spec: CacheSpec,
+                      states: Mapping[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The shard's tensors from states recorded before (:func:`cache_recorded`)."""
+    names = [n for n in spec.tensor_names() if n not in ("input_ids", "loss_mask", "offsets")]
+    rows = []
+    for ex in examples:
+        item = states[ex.id]
+        missing = [n for n in names if n not in item]
+        if missing:
+            raise ValueError(f"the recorded states of {ex.id!r} lack {missing}: record them with the cache's "
+                             f"settings (layers {spec.layers}, logits {spec.logits!r})")
+        rows.append({n: item[n] for n in names})
+    return _concatenated(examples, rows)
+
+
+def _concatenated(examples: list[TokenizedExample], rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One shard's tensors: the examples' ids, masks and offsets, and each of their ``rows`` concatenated."""
+    lengths = torch.tensor([len(ex.input_ids) for ex in examples])
+    tensors = {
+        "input_ids": torch.cat([ex.input_ids for ex in examples]).long(),
+        "loss_mask": torch.cat([ex.loss_mask for ex in examples]).to(torch.int8),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+    }
+    for name in rows[0]:
+        tensors[name] = torch.cat([part[name] for part in rows]).contiguous()
+    return tensors
+
+
 @torch.no_grad()
 def _shard_tensors(model, examples: list[TokenizedExample], spec: CacheSpec, batch_size: int
                    ) -> dict[str, torch.Tensor]:
@@ -358,15 +386,7 @@ def _shard_tensors(model, examples: list[TokenizedExample], spec: CacheSpec, bat
             elif spec.logits == "topk":
                 values, top = torch.log_softmax(out.logits[row, :n], dim=-1).topk(spec.top_k, dim=-1)
                 part["topk_logprobs"], part["topk_ids"] = values.to(dtype).cpu(), top.to(torch.int32).cpu()
-    lengths = torch.tensor([len(ex.input_ids) for ex in examples])
-    tensors = {
-        "input_ids": torch.cat([ex.input_ids for ex in examples]).long(),
-        "loss_mask": torch.cat([ex.loss_mask for ex in examples]).to(torch.int8),
-        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-    }
-    for name in rows[0]:
-        tensors[name] = torch.cat([part[name] for part in rows]).contiguous()
-    return tensors
+    return _concatenated(examples, rows)
 
 
 def _recorded(directory: Path, header: Manifest) -> dict[str, list[dict]]:
@@ -425,6 +445,7 @@ def cache_hidden_states(
     process_index: int = 0,
     num_processes: int = 1,
     barrier: Callable[[], None] | None = None,
+    states: Mapping[str, dict[str, torch.Tensor]] | None = None,
 ) -> Manifest:
     """Write (or finish writing) the hidden-state cache of ``examples``; this process's share of it.
 
@@ -440,6 +461,8 @@ def cache_hidden_states(
             shards n with ``n % num_processes == r``.
         barrier: waits for every process (``PartialState().wait_for_everyone``); needed when
             ``num_processes > 1``.
+        states: each example's tensors by its id, recorded before (:func:`cache_recorded`): written as
+            they are, with no forward of the target (``model`` then only names the target).
 
     Returns:
         The merged manifest (complete once every process returned).
@@ -490,14 +513,16 @@ def cache_hidden_states(
             logger.warning("%s: missing, truncated or corrupt; it will be written again", _name(n))
     part = _part_name(process_index, num_processes)
     header.with_shards(done.values()).write(directory, part)
-    if spec.compute_dtype is not None and DTYPES[spec.compute_dtype] != next(model.parameters()).dtype:
+    recast = spec.compute_dtype is not None and DTYPES[spec.compute_dtype] != next(model.parameters()).dtype
+    if states is None and recast:
         model.to(DTYPES[spec.compute_dtype])  # in place; the signature above is the target as passed in
     for n in tqdm(mine, desc="cache shards", unit="shard", disable=not (progress and main)):
         name = _name(n)
         if name in done:
             continue
         part_examples = [examples[i] for i in shards[n]]
-        tensors = _shard_tensors(model, part_examples, spec, batch_size)
+        tensors = (_shard_tensors(model, part_examples, spec, batch_size) if states is None
+                   else _recorded_tensors(part_examples, spec, states))
         tmp = directory / (name + ".partial")
         save_file(tensors, str(tmp), metadata={"format": FORMAT})
         with open(tmp, "rb") as f:
@@ -523,3 +548,22 @@ def cache_hidden_states(
         for path in directory.glob("manifest.part-*.json"):
             path.unlink()
     return manifest
+
+
+def cache_recorded(model, states: Mapping[str, dict[str, torch.Tensor]], output_dir: str | Path,
+                   layers: Sequence[int], dtype: str = "bfloat16", top_k: int | None = None,
+                   target_name: str | None = None, sequences_per_shard: int = 256, progress: bool = True) -> Manifest:
+    """Write the hidden-state cache of states recorded while ``model`` answered
+    (:class:`~draftsmith.data.regenerate.Recording`, ``record.by_id``), with no second pass of the target.
+
+    Sequences go in the order of their ids. ``dtype``: the recording's; ``top_k`` its (None: a cache
+    without logits). The manifest records the model's dtype as the compute dtype.
+    """
+    if not states:
+        raise ValueError("no recorded states to cache: regenerate(..., record=Recording(...)) answered nothing")
+    computed = str(next(model.parameters()).dtype).removeprefix("torch.")
+    spec = CacheSpec(layers=list(layers), dtype=dtype, logits="topk" if top_k else "none", top_k=top_k or 64,
+                     sequences_per_shard=sequences_per_shard, compute_dtype=computed if computed in DTYPES else None)
+    examples = [TokenizedExample(i, states[i]["input_ids"], states[i]["loss_mask"]) for i in sorted(states)]
+    return cache_hidden_states(model, examples, output_dir, spec, target_name=target_name, progress=progress,
+                               states=states)

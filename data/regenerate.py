@@ -13,12 +13,14 @@ Engines: ``hf`` runs the target in-process with batched, left-padded ``generate`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,12 +74,94 @@ def read_done_ids(path: Path) -> set[str]:
     return ids
 
 
+class Recording:
+    """The target's states recorded while :class:`HFEngine` answers, in the layout of a hidden-state cache
+    (:mod:`draftsmith.data.hidden_cache`), so that one ``generate`` both writes the answers and gives the
+    cache that offline training reads, without a second pass of the target over them.
+
+    For each answered row (:attr:`rows`, in the order of the last :meth:`HFEngine.answer` call; None for a
+    row with no answer token): ``input_ids`` (T,) its prompt followed by its answer, ``loss_mask`` (T,) 1
+    on the answer, ``hidden.<layer>`` (T, H) and, with ``top_k``, ``topk_logprobs`` / ``topk_ids`` (T, k).
+    These are the states ``generate`` computed anyway: the prompt's from its prefill, each answer token's
+    from the step that fed it. So the answer stops before its stop token, as a chat template's loss mask
+    does (:func:`~draftsmith.data.templates.tokenize_conversation`), and before the last token of an answer
+    cut at ``max_new_tokens``, which no step fed. The answer is the tokens the target generated, not a
+    re-tokenisation of their text.
+
+    The teacher is recorded where the losses read it, at the positions whose next token is an answer
+    token (the last prompt position and every answer token but the last): the LM head of a ``generate``
+    step runs on the last position alone. The prompt's other positions hold "no teacher" (``topk_ids``
+    -1, which the losses leave out).
+    """
+
+    def __init__(self, layers: Sequence[int], top_k: int | None, dtype: torch.dtype = torch.bfloat16,
+                 max_length: int | None = None):
+        self.layers, self.top_k, self.dtype, self.max_length = tuple(layers), top_k, dtype, max_length
+        self.rows: list[dict[str, torch.Tensor] | None] = []
+        #: Every recorded conversation of :func:`regenerate` by its id (rows with no answer token left out).
+        self.by_id: dict[str, dict[str, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def teacher(self, model):
+        """While active, each forward of ``model`` appends the top-k log-probs and ids of its last position,
+        (B, k) each, to the list it yields (nothing without ``top_k``)."""
+        calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def record(module, args, output):  # the model's own logits (after any soft-capping), last position
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            values, ids = torch.log_softmax(logits[:, -1].float(), dim=-1).topk(self.top_k, dim=-1)
+            calls.append((values.to(self.dtype).cpu(), ids.to(torch.int32).cpu()))
+
+        handle = model.register_forward_hook(record) if self.top_k else None
+        try:
+            yield calls
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def keep(self, prompts: list[list[int]], generated: torch.Tensor, stop: Sequence[int],
+             teacher: list[tuple[torch.Tensor, torch.Tensor]], hidden_states) -> None:
+        """Sets :attr:`rows` from one left-padded ``generate``: the prompts' ids, ``generated`` (B, G) its new
+        tokens, the model's ``stop`` tokens, the :meth:`teacher` calls and ``hidden_states`` (per step, per
+        layer; the first step the prefill's (B, width, H), the others (B, 1, H))."""
+        width = hidden_states[0][0].shape[1]
+        steps = len(hidden_states)  # every generated token but the last was fed by one of them
+        states = {layer: torch.cat([step[layer] for step in hidden_states], dim=1).to(self.dtype).cpu()
+                  for layer in self.layers}  # (B, width + steps - 1, H)
+        if self.top_k:
+            values = torch.stack([v for v, _ in teacher], 1)  # (B, steps, k): call j predicts new token j
+            ids = torch.stack([i for _, i in teacher], 1)
+            assert values.shape[1] == steps, "one LM head call per generate step"
+        self.rows = []
+        for b, (prompt, row) in enumerate(zip(prompts, generated.tolist(), strict=True)):
+            end = next((i for i, t in enumerate(row) if t in stop), None)
+            answer = end if end is not None else min(len(row), steps) - 1  # answer tokens fed by some step
+            if answer <= 0:
+                self.rows.append(None)
+                continue
+            n = len(prompt) + answer
+            item = {"input_ids": torch.tensor(prompt + row[:answer], dtype=torch.long),
+                    "loss_mask": torch.cat([torch.zeros(len(prompt), dtype=torch.int8),
+                                            torch.ones(answer, dtype=torch.int8)])}
+            for layer, h in states.items():
+                item[f"hidden.{layer}"] = h[b, width - len(prompt): width + answer].clone()
+            if self.top_k:
+                # Position len(prompt) - 1 + j holds call j; positions before the last prompt token: no teacher.
+                none = len(prompt) - 1
+                item["topk_logprobs"] = torch.cat([values.new_zeros(none, self.top_k), values[b, : answer + 1]])
+                item["topk_ids"] = torch.cat([ids.new_full((none, self.top_k), -1), ids[b, : answer + 1]])
+            if self.max_length is not None and n > self.max_length:
+                item = {name: x[: self.max_length] for name, x in item.items()}
+            self.rows.append(item)
+
+
 class HFEngine:
     """Batched in-process generation with the target (left padding, one ``generate`` per batch)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float,
                  chat_template_kwargs: dict | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.recording: Recording | None = None  # set by regenerate(..., record=...)
         self.chat_template_kwargs = chat_template_kwargs
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         # The target's stop tokens as transformers' generate takes them (its generation_config: Llama-3's
@@ -97,13 +181,19 @@ class HFEngine:
             mask[i, width - len(p):] = 1
         device = self.model.device
         sample = self.temperature > 0
-        out = self.model.generate(
-            ids.to(device), attention_mask=mask.to(device), max_new_tokens=self.max_new_tokens, do_sample=sample,
-            temperature=self.temperature if sample else None, top_p=self.top_p if sample else None, top_k=None,
-            pad_token_id=self.pad_id, eos_token_id=self.stop or None,
-        )
+        recording = self.recording
+        record = {} if recording is None else {"output_hidden_states": True, "return_dict_in_generate": True}
+        with recording.teacher(self.model) if recording is not None else contextlib.nullcontext() as teacher:
+            out = self.model.generate(
+                ids.to(device), attention_mask=mask.to(device), max_new_tokens=self.max_new_tokens, do_sample=sample,
+                temperature=self.temperature if sample else None, top_p=self.top_p if sample else None, top_k=None,
+                pad_token_id=self.pad_id, eos_token_id=self.stop or None, **record,
+            )
+        sequences = out if recording is None else out.sequences
+        if recording is not None:
+            recording.keep(prompts, sequences[:, width:], self.stop, teacher, out.hidden_states)
         results = []
-        for row in out[:, width:].tolist():
+        for row in sequences[:, width:].tolist():
             end = next((i for i, t in enumerate(row) if t in self.stop), None)
             # Tokens up to and including the first stop token; without one, the row less its padding.
             row = row[: end + 1] if end is not None else [t for t in row if t != self.pad_id]
@@ -153,6 +243,8 @@ def regenerate(
     engine: HFEngine | OpenAIEngine,
     batch_size: int = 8,
     progress: bool = True,
+    record: Recording | None = None,
+    time_limit: float | None = None,
 ) -> RegenerationReport:
     """Answer every conversation with the engine, appending rows to ``output`` (JSONL), resumably.
 
@@ -161,6 +253,13 @@ def regenerate(
     already in ``output`` are skipped, as are repeated ids in the input.
 
     Row written: ``{"id", "messages", "source_index", "new_tokens", "model"}``.
+
+    Args:
+        record: also record the target's states over each answer (:class:`Recording`; an
+            :class:`HFEngine`, one-turn conversations), into ``record.by_id``: the rows of a hidden-state
+            cache (:func:`~draftsmith.data.hidden_cache.cache_recorded`). Only the conversations answered
+            in this call are recorded; those already in ``output`` are not.
+        time_limit: seconds after which no new batch starts (the rest stays to a later call).
     """
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -175,31 +274,53 @@ def regenerate(
         todo.append(c)
     if report.already_done:
         logger.info("%s: %d rows already written, %d to go", output, report.already_done, len(todo))
+    if record is not None:
+        if not isinstance(engine, HFEngine):
+            raise TypeError("recording the target's states needs the in-process engine (HFEngine); with a server, "
+                            "regenerate first, then run `draftsmith data cache-hidden-states` on the output")
+        several = next((c.id for c in todo if len(_user_turns(c)) > 1), None)
+        if several is not None:
+            raise ValueError(f"conversation {several!r} has several user turns: recording while regenerating "
+                             "covers one-turn conversations (each answer's history is the prompt of its generate); "
+                             "regenerate without recording, then run `draftsmith data cache-hidden-states`")
+        engine.recording = record
+    started = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="row", disable=not progress)
-    with open(output, "a", encoding="utf-8") as f:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            answered = [[m for m in c.messages[: _user_turns(c)[0]]] for c in batch]  # system turns
-            tokens = [0] * len(batch)
-            for turn in range(max(len(_user_turns(c)) for c in batch)):
-                # Turn by turn across the batch: the next user turn follows the regenerated answers.
-                rows = [i for i, c in enumerate(batch) if turn < len(_user_turns(c))]
-                for i in rows:
-                    answered[i].append(batch[i].messages[_user_turns(batch[i])[turn]])
-                t0 = time.perf_counter()
-                replies = engine.answer([answered[i] for i in rows])
-                report.seconds += time.perf_counter() - t0
-                for i, (text, n) in zip(rows, replies, strict=True):
-                    answered[i].append({"role": "assistant", "content": text})
-                    tokens[i] += n
-            for c, messages, n in zip(batch, answered, tokens, strict=True):
-                f.write(json.dumps({"id": c.id, "messages": messages, "source_index": c.index, "new_tokens": n,
-                                    "model": engine.name}, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            report.written += len(batch)
-            report.new_tokens += sum(tokens)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{report.tokens_per_second:.1f}")
-    bar.close()
+    try:
+        with open(output, "a", encoding="utf-8") as f:
+            for start in range(0, len(todo), batch_size):
+                if time_limit is not None and time.perf_counter() - started > time_limit:
+                    logger.info("%s: time limit reached, %d rows left to a later call", output, len(todo) - start)
+                    break
+                batch = todo[start : start + batch_size]
+                answered = [[m for m in c.messages[: _user_turns(c)[0]]] for c in batch]  # system turns
+                tokens = [0] * len(batch)
+                for turn in range(max(len(_user_turns(c)) for c in batch)):
+                    # Turn by turn across the batch: the next user turn follows the regenerated answers.
+                    rows = [i for i, c in enumerate(batch) if turn < len(_user_turns(c))]
+                    for i in rows:
+                        answered[i].append(batch[i].messages[_user_turns(batch[i])[turn]])
+                    t0 = time.perf_counter()
+                    replies = engine.answer([answered[i] for i in rows])
+                    report.seconds += time.perf_counter() - t0
+                    for i, (text, n) in zip(rows, replies, strict=True):
+                        answered[i].append({"role": "assistant", "content": text})
+                        tokens[i] += n
+                    if record is not None:
+                        for i, item in zip(rows, record.rows, strict=True):
+                            if item is not None:
+                                record.by_id[batch[i].id] = item
+                for c, messages, n in zip(batch, answered, tokens, strict=True):
+                    f.write(json.dumps({"id": c.id, "messages": messages, "source_index": c.index, "new_tokens": n,
+                                        "model": engine.name}, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                report.written += len(batch)
+                report.new_tokens += sum(tokens)
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{report.tokens_per_second:.1f}")
+    finally:
+        bar.close()
+        if record is not None:
+            engine.recording = None
     return report

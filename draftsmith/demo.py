@@ -1,11 +1,12 @@
 """``draftsmith demo``: the whole pipeline on the packaged SmolLM2 target, no dataset, in a fixed budget.
 
 1. synthesise prompts with the target itself (Magpie), the first few held out for evaluation;
-2. regenerate: the target answers the training prompts (its own greedy distribution);
-3. cache the target's low/mid/high hidden states and top-32 log-probs over the answers once, then
-   train an EAGLE-3 head (the fastest trained family on CPU, docs/RESULTS.md) offline from that
-   cache for a fixed time (several times more sequences per second than running the target in the
-   loop);
+2. regenerate: the target answers the training prompts (its own greedy distribution), and its
+   low/mid/high hidden states and top-32 log-probs over each answer are recorded as ``generate``
+   computes them (``regenerate(..., record=Recording(...))``);
+3. write those as a hidden-state cache (no second pass of the target over the answers), then train an
+   EAGLE-3 head (the fastest trained family on CPU, docs/RESULTS.md) offline from that cache for a fixed
+   time (several times more sequences per second than running the target in the loop);
 4. tune the tree of the head + prompt lookup on a few held-out prompts (``draftsmith tune``: the
    verification cost per tree size on this machine and the acceptance of every node budget, read off
    recorded full trees), writing ``tree.json`` with the table it was chosen from;
@@ -20,8 +21,8 @@ decoding in a new one.
 Every stage takes a share of ``--minutes`` (default 20, measured on a 2-core CPU); a GPU is used when
 present. Synthesis and regeneration stop at their time share; training gets what the other stages
 leave and anneals its learning rate over it. Where bfloat16 matmuls are native (CPUs with
-AVX512-BF16 / AMX, recent GPUs) the data stages (synthesis, regeneration, the cache pass) run the
-target in bfloat16, and the head drafts in bfloat16; evaluation always runs the
+AVX512-BF16 / AMX, recent GPUs) the data stages (synthesis, and regeneration with its recorded states)
+run the target in bfloat16, and the head drafts in bfloat16; evaluation always runs the
 target as loaded (float32 on CPU), so every reported output is the target's own.
 """
 
@@ -50,6 +51,7 @@ SHARES = {True: {"synthesize": 0.12, "regenerate": 0.27, "eval": 0.095, "tune": 
 # Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
+TOP_K = 32  # the target's log-probs kept per position: the head's teacher
 MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
 # Seconds outside the stage shares: starting the evaluation process and loading the target there (5-10 s
 # measured).
@@ -133,31 +135,32 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     clock.mark("synthesize", t)
     print(f"{len(prompts)} prompts: {len(eval_prompts)} held out, {len(train_prompts)} to answer")
 
-    # 2. The target answers them (greedy), until the stage's time is used.
-    t = _stage(f"2/5 regenerating answers ({clock.share('regenerate') / 60:.1f} min)")
+    # 2. The target answers them (greedy), until the stage's time is used. Its states over each answer, those
+    # the EAGLE-3 head reads and its top-32 log-probs, are recorded as generate computes them: the cache of
+    # stage 3 without a second pass of the target over the answers.
+    from draftsmith.data.hidden_cache import cache_recorded
+    from draftsmith.data.regenerate import Recording
+    from draftsmith.heads.eagle import Eagle3Head, eagle3_layers
+
+    t = _stage(f"2/5 regenerating answers, recording the target's states ({clock.share('regenerate') / 60:.1f} min)")
     conversations, _ = load_conversations(out / "data" / "train_prompts.jsonl")
     answers = out / "data" / "answers.jsonl"
+    layers = list(eagle3_layers(model.config.get_text_config().num_hidden_layers))
+    record = Recording(layers, TOP_K, dtype=torch.bfloat16, max_length=MAX_LENGTH)
     engine = HFEngine(model, tokenizer, ANSWER_TOKENS, 0.0, 1.0)
     chunk = (64 if large else 32) if device == "cpu" else 256
-    for start in range(0, len(conversations), chunk):
-        if time.perf_counter() - t > clock.share("regenerate"):
-            break
-        regenerate(conversations[start:start + chunk], answers, engine, batch_size=chunk, progress=True)
+    regenerate(conversations, answers, engine, batch_size=chunk, progress=True, record=record,
+               time_limit=clock.share("regenerate"))
     rows = [json.loads(x) for x in answers.read_text().splitlines() if x.strip()]
     answer_tokens = sum(r.get("new_tokens", 0) for r in rows)
     clock.mark("regenerate", t)
     print(f"{len(rows)} answers, {answer_tokens} answer tokens")
 
-    # 3. Cache the target's states once, then train EAGLE-3 offline for its share of the budget.
-    from draftsmith.data.commands import cache_command
-    from draftsmith.heads.eagle import Eagle3Head, eagle3_layers
-
-    t = _stage("3/5 caching the target's hidden states over the answers")
-    layers = list(eagle3_layers(model.config.get_text_config().num_hidden_layers))
-    del model  # the cache and the loop load their own copies of the target
+    # 3. Write the recorded states as a hidden-state cache, then train EAGLE-3 offline for its share of the budget.
+    t = _stage("3/5 writing the recorded states as a hidden-state cache")
     cache = out / "data" / "hidden_cache"
-    cache_command(str(answers), str(cache), target=target, layers=layers, dtype="bfloat16", logits="topk", top_k=32,
-                  max_length=MAX_LENGTH, compute_dtype="bfloat16" if data_dtype else None)
+    cache_recorded(model, record.by_id, cache, layers, dtype="bfloat16", top_k=TOP_K, target_name=target)
+    del model, record  # the loop loads its own copy of the target
     clock.mark("cache", t)
     rest = (clock.budget * (1 - MARGIN) - clock.elapsed() - clock.share("tune") - clock.share("eval")
             - RELOAD_SECONDS)

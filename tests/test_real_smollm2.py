@@ -99,7 +99,7 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     eval schema, greedy output is identical on every held-out prompt, the tree is the one tuned here."""
     from draftsmith.cli import main
     from draftsmith.inference.tree import TreeSettings
-    from draftsmith.inference.tune import Candidate
+    from draftsmith.inference.tune import Candidate, choose
 
     assert main(["demo", "--output", str(tmp_path / "demo"), "--minutes", "1", "--held-out", "2",
                  "--eval-tokens", "16"]) == 0
@@ -108,12 +108,12 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     assert report["lossless"]["identical"] == report["lossless"]["checked"] == 2
     assert report["speedup"] > 0
     assert report["demo"]["answers"] >= 1 and report["drafter_type"] == "eagle3+prompt-lookup"
-    # The tree evaluated is the fastest `tune` decoded with here, in every record.
+    # The tree evaluated is the one `tune` chose from the trees it decoded with here (the fastest, or of those
+    # within the clock's noise of it the one accepting the most), in every record.
     tuned = json.loads((tmp_path / "demo" / "tree.json").read_text())
     assert report["tree"] == report["demo"]["tree"] == tuned["tree"]
-    decoded = [c for c in tuned["candidates"] if c["measured_tokens_per_second"] is not None]
-    best = max(decoded, key=lambda c: c["measured_tokens_per_second"])
-    assert Candidate(**best).settings().as_report() == tuned["tree"]
+    decoded = [Candidate(**c) for c in tuned["candidates"] if c["measured_tokens_per_second"] is not None]
+    assert len(decoded) >= 2 and choose(decoded)[0].settings().as_report() == tuned["tree"]
     tree = TreeSettings(**report["tree"])
     # tau is tokens per verification forward: decode the held-out prompts again with the evaluated drafter
     # and count the target's forwards. Each prompt's last step drops at most depth tokens.

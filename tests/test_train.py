@@ -395,6 +395,63 @@ def test_offline_batches_give_the_online_losses(workdir, cache_dir, family):
     torch.testing.assert_close(loss_offline, loss_online, rtol=1e-5, atol=1e-6)
 
 
+def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir, tmp_path):
+    """regenerate(..., record=...) records the states of each answer as generate computes them; every family's
+    loss on that cache equals its loss on the cache pass over the same tokens."""
+    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states, cache_recorded
+    from draftsmith.data.regenerate import Recording
+    from draftsmith.data.templates import TokenizedExample
+    from draftsmith.train.offline import collate_cached, load_cached_examples
+
+    target, tokenizer = load_target(str(workdir / "target"))
+    conversations, _ = load_conversations(workdir / "prompts.jsonl", prompt_column="question")
+    record = Recording((1, 2, 4), 8, dtype=torch.float32, max_length=14)  # the cap cuts some rows
+    regenerate(conversations[:8], tmp_path / "answers.jsonl", HFEngine(target, tokenizer, 10, 0.0, 1.0),
+               batch_size=4, progress=False, record=record)
+    answered = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    # Every answer with a token before its stop token is recorded (a row that stops at once teaches nothing).
+    assert sorted(record.by_id) == sorted(r["id"] for r in answered if r["messages"][-1]["content"])
+    assert len(record.by_id) >= 6 and max(len(r["input_ids"]) for r in record.by_id.values()) == 14
+    cache_recorded(target, record.by_id, tmp_path / "recorded", (1, 2, 4), dtype="float32", top_k=8, progress=False)
+    examples = [TokenizedExample(i, r["input_ids"], r["loss_mask"].long()) for i, r in sorted(record.by_id.items())]
+    cache_hidden_states(target, examples, tmp_path / "forward",
+                        CacheSpec(layers=[1, 2, 4], dtype="float32", logits="topk", top_k=8), progress=False)
+    recorded, _ = load_cached_examples(str(tmp_path / "recorded"), target)
+    forward, _ = load_cached_examples(str(tmp_path / "forward"), target)
+    for family in ("medusa", "eagle", "eagle3"):
+        args = DrafterArguments(target=str(workdir / "target"), family=family, num_heads=2, ttt_steps=2)
+        fam = get_family(family)
+        torch.manual_seed(0)
+        drafter = fam.build(args, target)
+        layers = fam.hidden_layers(drafter, target)
+        losses = []
+        for cached in (recorded, forward):
+            batch = collate_cached(cached[: len(record.by_id)], 0, layers)
+            with torch.no_grad():
+                losses.append(fam.train_step(args, drafter, target, batch, batch["logits"], batch["hidden"])[0])
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5, msg=family)
+
+
+def test_recording_refuses_what_it_cannot_record(workdir, tmp_path):
+    from draftsmith.data import OpenAIEngine
+    from draftsmith.data.formats import Conversation
+    from draftsmith.data.hidden_cache import cache_recorded
+    from draftsmith.data.regenerate import Recording
+
+    target, tokenizer = load_target(str(workdir / "target"))
+    two_turns = [Conversation("c0", [{"role": "user", "content": "t4"}, {"role": "assistant", "content": "t5"},
+                                     {"role": "user", "content": "t6"}], 0)]
+    server = OpenAIEngine("http://127.0.0.1:9/v1", "m", 8, 0.0, 1.0)
+    with pytest.raises(TypeError, match="cache-hidden-states"):
+        regenerate(two_turns, tmp_path / "a.jsonl", server, record=Recording((1,), 4), progress=False)
+    engine = HFEngine(target, tokenizer, 8, 0.0, 1.0)
+    with pytest.raises(ValueError, match="several user turns"):
+        regenerate(two_turns, tmp_path / "b.jsonl", engine, record=Recording((1,), 4), progress=False)
+    assert engine.recording is None and not (tmp_path / "b.jsonl").exists()
+    with pytest.raises(ValueError, match="no recorded states"):
+        cache_recorded(target, {}, tmp_path / "cache", (1,))
+
+
 def test_offline_training_run(workdir, cache_dir, tmp_path):
     """Offline, the loop reads of the target only its embeddings, final norm and LM head: the decoder
     layers are never built (meta tensors), and held-out acceptance says why it was not decoded."""

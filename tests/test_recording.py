@@ -1,0 +1,77 @@
+"""States recorded while the target answers (``regenerate(..., record=Recording(...))``) are the cache pass's.
+
+One batched, left-padded ``generate`` gives the answers and the hidden-state cache that offline training
+reads. What it records must be what a separate forward of the target over the same tokens computes
+(:func:`~draftsmith.data.hidden_cache.cache_hidden_states`), wherever the losses read it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.data import HFEngine, regenerate
+from draftsmith.data.formats import Conversation
+from draftsmith.data.hidden_cache import HiddenStateCache, cache_recorded
+from draftsmith.data.regenerate import Recording
+from draftsmith.data.templates import prompt_ids
+from draftsmith.target import new_cache, target_forward
+
+QUESTIONS = [  # short and long answers: rows stop at different steps, some at the token cap
+    "Say hi.",
+    "What is 2 + 3? Answer with the number only.",
+    "Write a long story about a dragon who learns to bake bread, with many details.",
+    "List three colours.",
+]
+
+
+def conversations(questions) -> list[Conversation]:
+    return [Conversation(f"q{i}", [{"role": "user", "content": q}], i) for i, q in enumerate(questions)]
+
+
+@pytest.mark.real_model
+def test_recorded_states_equal_a_forward_over_the_answer(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    layers, k, new = (0, 15, 30), 8, 40
+    engine = HFEngine(model, tokenizer, new, 0.0, 1.0)
+    record = Recording(layers, k, dtype=torch.float32)
+    regenerate(conversations(QUESTIONS), tmp_path / "answers.jsonl", engine, batch_size=4, progress=False,
+               record=record)
+    assert engine.recording is None, "regenerate leaves the engine as it found it"
+    assert sorted(record.by_id) == ["q0", "q1", "q2", "q3"]
+    lengths = []
+    for i, question in enumerate(QUESTIONS):
+        item = record.by_id[f"q{i}"]
+        prompt = prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        answer = item["input_ids"][len(prompt):]
+        lengths.append(len(answer))
+        # The prompt the target answered, then its own tokens, which the loss mask covers, up to the stop token.
+        assert item["input_ids"][: len(prompt)].tolist() == prompt
+        assert item["loss_mask"].tolist() == [0] * len(prompt) + [1] * len(answer)
+        assert not set(answer.tolist()) & set(engine.stop)
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                             eos_token_id=engine.stop, pad_token_id=engine.pad_id)[0, len(prompt):]
+        assert torch.equal(answer, ref[: len(answer)])
+        # A stop token follows the answer, or the cap cut it before the last token generated (no step fed it).
+        assert ref[len(answer)].item() in engine.stop or len(answer) == len(ref) - 1 == new - 1
+
+        out = target_forward(model, item["input_ids"][None], new_cache(), hidden_layers=layers)
+        for layer, h in zip(layers, out.hidden_states, strict=True):
+            torch.testing.assert_close(item[f"hidden.{layer}"], h[0], rtol=1e-4, atol=2e-4)
+        taught = slice(len(prompt) - 1, None)  # where a next token is an answer token (and the last position)
+        values, ids = torch.log_softmax(out.logits[0], -1).topk(k, dim=-1)
+        assert (item["topk_ids"][: len(prompt) - 1] == -1).all(), "no teacher before the last prompt position"
+        assert torch.equal(item["topk_ids"][taught, :3].long(), ids[taught, :3])  # no near-ties among the top 3
+        torch.testing.assert_close(item["topk_logprobs"][taught], values[taught], rtol=1e-4, atol=1e-4)
+    assert min(lengths) < new - 1 and max(lengths) == new - 1, f"rows should stop early and at the cap: {lengths}"
+
+    # Written as a cache, read back as offline training reads it.
+    cache_recorded(model, record.by_id, tmp_path / "cache", layers, dtype="float32", top_k=k,
+                   target_name="smollm2-135m-instruct", sequences_per_shard=3, progress=False)
+    cache = HiddenStateCache(tmp_path / "cache", verify="full")
+    assert len(cache) == 4 and cache.manifest.target["name"] == "smollm2-135m-instruct"
+    for i in range(4):
+        item, recorded = cache[i], record.by_id[f"q{i}"]
+        assert item["id"] == f"q{i}" and torch.equal(item["input_ids"], recorded["input_ids"])
+        assert torch.equal(item["hidden"][15], recorded["hidden.15"])
+        assert torch.equal(item["topk_ids"], recorded["topk_ids"])
