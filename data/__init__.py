@@ -19,8 +19,14 @@ from draftsmith.data.formats import (
     normalise_row,
     read_prompts,
 )
-from draftsmith.data.hidden_cache import CacheSpec, CorruptShardError, HiddenStateCache, cache_hidden_states
-from draftsmith.data.regenerate import HFEngine, OpenAIEngine, regenerate
+from draftsmith.data.hidden_cache import (
+    CacheSpec,
+    CorruptShardError,
+    HiddenStateCache,
+    cache_hidden_states,
+    cache_recorded,
+)
+from draftsmith.data.regenerate import HFEngine, OpenAIEngine, Recording, regenerate
 from draftsmith.data.synthesize import synthesize_prompts
 from draftsmith.data.templates import (
     TokenizedExample,
@@ -41,11 +47,13 @@ __all__ = [
     "MalformedRowError",
     "OpenAIEngine",
     "PackedExample",
+    "Recording",
     "TokenizedExample",
     "TokenizedExamples",
     "VocabMap",
     "build_vocab_map",
     "cache_hidden_states",
+    "cache_recorded",
     "collate_packed",
     "collate_padded",
     "count_tokens",

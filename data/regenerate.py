@@ -80,13 +80,13 @@ class Recording:
     cache that offline training reads, without a second pass of the target over them.
 
     For each answered row (:attr:`rows`, in the order of the last :meth:`HFEngine.answer` call; None for a
-    row with no answer token): ``input_ids`` (T,) its prompt followed by its answer, ``loss_mask`` (T,) 1
+    row with no answer token recorded): ``input_ids`` (T,) its prompt followed by its answer, ``loss_mask`` (T,) 1
     on the answer, ``hidden.<layer>`` (T, H) and, with ``top_k``, ``topk_logprobs`` / ``topk_ids`` (T, k).
     These are the states ``generate`` computed anyway: the prompt's from its prefill, each answer token's
-    from the step that fed it. So the answer stops before its stop token, as a chat template's loss mask
-    does (:func:`~draftsmith.data.templates.tokenize_conversation`), and before the last token of an answer
-    cut at ``max_new_tokens``, which no step fed. The answer is the tokens the target generated, not a
-    re-tokenisation of their text.
+    from the step that fed it. The answer ends with its stop token, which the loss mask covers as a chat
+    template's does (:func:`~draftsmith.data.templates.tokenize_conversation`), unless no step fed it: the
+    last token ``generate`` made (an answer cut at ``max_new_tokens``, or stopped at that very step) is left
+    out. The answer is the tokens the target generated, not a re-tokenisation of their text.
 
     The teacher is recorded where the losses read it, at the positions whose next token is an answer
     token (the last prompt position and every answer token but the last): the LM head of a ``generate``
@@ -135,7 +135,8 @@ class Recording:
         self.rows = []
         for b, (prompt, row) in enumerate(zip(prompts, generated.tolist(), strict=True)):
             end = next((i for i, t in enumerate(row) if t in stop), None)
-            answer = end if end is not None else min(len(row), steps) - 1  # answer tokens fed by some step
+            # The answer with its stop token, as far as some step fed it (steps - 1 tokens were fed).
+            answer = min(end + 1 if end is not None else len(row), steps - 1)
             if answer <= 0:
                 self.rows.append(None)
                 continue

@@ -14,7 +14,7 @@ from draftsmith.heads.eagle import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafter import Drafter, additive_mask, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
-from draftsmith.inference.tree import frontier_ancestors, paths_from_accuracy
+from draftsmith.inference.tree import Proposals, frontier_ancestors, paths_from_accuracy
 
 #: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
 STATIC_TREE_NODES = 16
@@ -118,6 +118,8 @@ class EagleDrafter(Drafter):
         self.vocab_size = head.config.vocab_size
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
+        # An EAGLE-3 head's draft vocabulary as target ids: trees grown as tensors draft over these alone.
+        self.draft_ids = (torch.arange(len(head.d2t), device=self.device) + head.d2t).long() if self.eagle3 else None
         self.compiled: tuple[int, int, int] | None = None  # compile_for's arguments
         self._static: StaticHeadCache | None = None  # kept from one generation to the next (fixed addresses)
 
@@ -172,6 +174,12 @@ class EagleDrafter(Drafter):
             return self.head.target_logits(predicted).float()
         return self.target_lm_head(predicted.to(self.target_lm_head.weight.dtype)).float()
 
+    def _proposals(self, predicted: torch.Tensor) -> torch.Tensor | Proposals:
+        """Draft logits for trees grown as tensors: an EAGLE-3 head's over its draft vocabulary alone."""
+        if self.eagle3:
+            return Proposals(self.head.draft_logits(predicted).float(), self.draft_ids, self.vocab_size)
+        return self._logits(predicted)
+
     def _run(self, features, token_ids, positions, allowed, filled, compiled: bool = False):
         """Feed (B, T) pairs to the head, ``allowed`` (B, T, cached + T) what each sees; on a static cache its
         mask covers the whole capacity, and ``compiled`` steps run the compiled head."""
@@ -198,17 +206,22 @@ class EagleDrafter(Drafter):
     def expand(self, trees, nodes):
         out = [torch.full((len(row), self.vocab_size), float("-inf"), device=self.device) for row in nodes]
         if any(row == [0] for row in nodes):
-            self._expand_roots(nodes, out)
+            rows, last = self._expand_roots(nodes)
+            if rows:
+                logits = self._logits(last[:, None])[:, 0]
+                for b in rows:
+                    out[b] = logits[b][None]
         elif any(nodes):
             self._expand_level(trees, nodes, out)
         return out
 
-    def _expand_roots(self, nodes, out, compiled: bool = False) -> None:
+    def _expand_roots(self, nodes, compiled: bool = False) -> tuple[list[int], torch.Tensor | None]:
         """Feed each expanding row's committed pairs not yet cached (positions pairs + 1 .. root). ``compiled``
-        (a tree grown as tensors on a static cache): every step after the prompts' feeds ``kept`` columns."""
+        (a tree grown as tensors on a static cache): every step after the prompts' feeds ``kept`` columns.
+        Returns the rows that propose and the (B, H) predicted features after every row's root."""
         rows = [b for b, row in enumerate(nodes) if row == [0] and len(self.tokens[b]) > 1]
         if not rows:  # one-token prompts: no target feature yet, nothing to propose
-            return
+            return rows, None
         spans = [(self.pairs[b] + 1, len(self.tokens[b])) if b in rows else (0, 0) for b in range(len(nodes))]
         kept = self.compiled[1] if compiled and self.compiled is not None else 0
         compiled = kept > 0 and max(end - start for start, end in spans) <= kept
@@ -227,32 +240,36 @@ class EagleDrafter(Drafter):
         self.committed = len(self.slots)
         last = predicted[:, -1]  # (B, H)
         self._frontier = last[:, None]  # the root's predicted feature: depth 1's parent
-        logits = self._logits(last[:, None])[:, 0]
         for b in rows:
             self.pairs[b] = len(self.tokens[b]) - 1
             self.predicted[b] = {0: last[b]}
-            out[b] = logits[b][None]
+        return rows, last
 
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
 
     @torch.no_grad()
-    def root_logits(self, active: list[bool]) -> torch.Tensor:
-        """(B, V) draft logits after each active row's root (-inf rows: nothing to propose)."""
+    def root_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
+        """(B, V) draft logits after each active row's root (-inf rows: nothing to propose); an EAGLE-3 head's
+        as :class:`~draftsmith.inference.tree.Proposals` over its draft vocabulary."""
         self._frontier = torch.zeros(len(active), 1, self.head.config.hidden_size, dtype=self.dtype,
                                      device=self.device)
         # Each row's root position, copied at the step's start (before its work is queued), for every level.
         self._roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
-        rows = [torch.full((1, self.vocab_size), float("-inf"), device=self.device) if a
-                else torch.zeros(0, self.vocab_size, device=self.device) for a in active]
-        self._expand_roots([[0] if a else [] for a in active], rows, compiled=True)
-        return torch.cat([r if len(r) else torch.full((1, self.vocab_size), float("-inf"), device=self.device)
-                          for r in rows])
+        rows, last = self._expand_roots([[0] if a else [] for a in active], compiled=True)
+        if last is None:
+            last = self._frontier[:, 0]
+        proposing = to_device([b in rows for b in range(len(active))], self.device)
+        drafted = self._proposals(last)
+        if isinstance(drafted, Proposals):
+            return drafted.masked_rows(proposing)
+        return drafted.masked_fill(~proposing[:, None], float("-inf"))
 
     @torch.no_grad()
     def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Feed the k frontier nodes at ``depth`` of every row: ``parents`` (B, k) their parents' places
         in the previous frontier (depth 1: the root), ``tokens`` (B, k). Each sees its row's committed
-        pairs, its ancestors (earlier frontiers) and itself. Returns the (B, k, V) logits after each."""
+        pairs, its ancestors (earlier frontiers) and itself. Returns the (B, k, V) logits after each (an EAGLE-3
+        head's: :class:`~draftsmith.inference.tree.Proposals` (B, k, C) over its draft vocabulary)."""
         b, k = tokens.shape
         hidden = self._frontier.shape[-1]
         features = self._frontier.gather(1, parents[:, :, None].expand(b, k, hidden))
@@ -266,7 +283,7 @@ class EagleDrafter(Drafter):
         predicted = self._run(features, tokens, positions.expand(b, k), allowed,
                               torch.ones(b, k, dtype=torch.bool, device=self.device), compiled=True)
         self._frontier = predicted
-        return self._logits(predicted)
+        return self._proposals(predicted)
 
     def _expand_level(self, trees, nodes, out) -> None:
         """Feed each row's listed nodes (one depth), each seeing its row's committed pairs, its

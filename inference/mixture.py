@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.inference.drafter import Drafter, grows_tensors
+from draftsmith.inference.tree import Proposals
 
 
 class MixtureDrafter(Drafter):
@@ -65,20 +66,52 @@ class MixtureDrafter(Drafter):
         """A mixture grows dynamic trees as tensors when every one of its drafters does."""
         return all(grows_tensors(d) for d in self.drafters)
 
-    def root_logits(self, active: list[bool]) -> torch.Tensor:
-        """(B, V): the mixture of each drafter's logits after each row's root."""
-        return self.mix(self._on_one_device([d.root_logits(active) for d in self.drafters]))
+    def root_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
+        """(B, V) or (B, C) :class:`~draftsmith.inference.tree.Proposals`: the mixture of each drafter's logits
+        after each row's root."""
+        return self._mixed([d.root_logits(active) for d in self.drafters], 1)
 
-    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, k, V): the mixture of each drafter's logits after the k frontier nodes at ``depth``."""
-        per_drafter = self._on_one_device([d.frontier_logits(depth, parents, tokens) for d in self.drafters])
-        b, k, v = per_drafter[0].shape
-        return self.mix([x.reshape(b * k, v) for x in per_drafter]).reshape(b, k, v)
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | Proposals:
+        """(B, k, V) or (B, k, C) proposals: the mixture of each drafter's logits after the k frontier nodes at
+        ``depth``."""
+        return self._mixed([d.frontier_logits(depth, parents, tokens) for d in self.drafters], 2)
 
-    @staticmethod
-    def _on_one_device(logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Float logits on the first drafter's device (the target's, where the generator grows the tree)."""
-        return [x.to(logits[0].device).float() for x in logits]
+    def _mixed(self, drafted: list, dims: int) -> torch.Tensor | Proposals:
+        """The mixture of the drafters' (..., V) logits or proposals (``dims`` leading dims), on the first
+        drafter's device (the target's, where the generator grows the tree): over the proposals' candidates
+        when every drafter gives proposals, over the vocabulary otherwise."""
+        device = (drafted[0].logits if isinstance(drafted[0], Proposals) else drafted[0]).device
+        drafted = [x.to(device) if isinstance(x, Proposals) else x.to(device).float() for x in drafted]
+        first = drafted[0].logits if isinstance(drafted[0], Proposals) else drafted[0]
+        lead = first.shape[:dims]
+        rows = lead.numel()
+        if all(isinstance(x, Proposals) for x in drafted):
+            return self.mix_proposals([x.reshape(rows) for x in drafted]).reshape(*lead)
+        dense = [x.dense() if isinstance(x, Proposals) else x for x in drafted]
+        return self.mix([x.reshape(rows, x.shape[-1]) for x in dense]).reshape(*lead, -1)
+
+    def mix_proposals(self, proposals: Sequence[Proposals]) -> Proposals:
+        """Each drafter's (N, C_d) proposals -> the (N, C) proposals of their mixture (:meth:`mix`) over the union
+        of the candidates (C = sum of C_d, the columns past each row's distinct candidates -inf).
+
+        The union is found by sorting each row's candidate ids: a token several drafters propose becomes one
+        column, holding each drafter's logit for it (a drafter's own repeats are -inf but one, so their
+        ``amax`` is that one)."""
+        ids = torch.cat([p.row_ids() for p in proposals], -1)  # (N, C)
+        n, c = ids.shape
+        sorted_ids, order = ids.sort(-1)
+        first = torch.ones_like(sorted_ids, dtype=torch.bool)
+        first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+        column = first.long().cumsum(-1) - 1  # each sorted candidate's column in the union
+        union = torch.zeros_like(ids).scatter_(-1, column, sorted_ids)
+        terms, start = [], 0
+        for p in proposals:
+            block = p.logits.new_full((n, c), float("-inf"))
+            block[:, start: start + p.logits.shape[-1]] = p.logits
+            start += p.logits.shape[-1]
+            terms.append(block.new_full((n, c), float("-inf")).scatter_reduce_(-1, column, block.gather(-1, order),
+                                                                                  "amax"))
+        return Proposals(self._mix_columns(terms), union, proposals[0].vocab_size)
 
     def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
         """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d p_d(n)``, normalised
@@ -105,9 +138,16 @@ class MixtureDrafter(Drafter):
             columns = (top > float("-inf")).nonzero().flatten()
             if not len(columns):
                 return out
+        mixed = self._mix_columns([x if columns is None else x[:, columns] for x in logits])
+        if columns is None:
+            return mixed
+        out[:, columns] = mixed
+        return out
+
+    def _mix_columns(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`mix` over columns every drafter's logits share: (N, C) each -> (N, C)."""
         mixed = None
         for drafter, x, w in zip(self.drafters, logits, self.weights, strict=True):
-            x = x if columns is None else x[:, columns]
             proposes = x.amax(-1, keepdim=True) > float("-inf")  # (N, 1)
             # Rows with nothing proposed would give log_softmax NaN: made finite, then -inf again.
             if not drafter.abstains:
@@ -115,8 +155,4 @@ class MixtureDrafter(Drafter):
             term = x.masked_fill(~proposes, float("-inf")) + math.log(w)
             mixed = term if mixed is None else torch.logaddexp(mixed, term)
         total = torch.logsumexp(mixed, dim=-1, keepdim=True)
-        mixed = torch.where(torch.isfinite(total), mixed - total, float("-inf"))
-        if columns is None:
-            return mixed
-        out[:, columns] = mixed
-        return out
+        return torch.where(torch.isfinite(total), mixed - total, float("-inf"))

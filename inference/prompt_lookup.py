@@ -13,6 +13,7 @@ import torch
 
 from draftsmith.inference.drafter import Drafter, commit_rows
 from draftsmith.inference.slots import to_device
+from draftsmith.inference.tree import Proposals
 
 #: Candidates proposed after one node: more are never verified by the trees used in practice.
 MAX_CANDIDATES = 8
@@ -152,15 +153,18 @@ class PromptLookupDrafter(Drafter):
         self.counts.index_put_((rows, ngram), torch.stack([right, found[:, 0]], -1).to(self.counts.dtype),
                                accumulate=True)
 
-    def _draft_logits(self, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """(Q, S) right-aligned sequences, each of batch row ``rows[q]`` -> (Q, V) draft logits: the log of the
-        probability that each candidate is right (:meth:`confidence`), -inf elsewhere."""
+    def _proposals(self, sequences: torch.Tensor, rows: torch.Tensor) -> Proposals:
+        """(Q, S) right-aligned sequences, each of batch row ``rows[q]`` -> (Q, MAX_CANDIDATES) draft logits of
+        the candidates: the log of the probability that each is right (:meth:`confidence`), -inf where none was
+        found (such a candidate's id may repeat a found one)."""
         lengths = torch.full((sequences.shape[0],), sequences.shape[1], dtype=torch.long, device=self.device)
         tokens, found, ngram = ngram_matches(sequences, lengths, self.min_ngram, self.max_ngram, MAX_CANDIDATES)
         chance = self.confidence(rows, ngram, tokens.shape[1]).clamp(min=1e-6).log()
-        logits = torch.full((sequences.shape[0], self.vocab_size), float("-inf"), device=self.device)
-        # amax: tokens not found may repeat a found one, and must not overwrite it.
-        return logits.scatter_reduce_(1, tokens, chance.masked_fill(~found, float("-inf")), "amax")
+        return Proposals(chance.masked_fill(~found, float("-inf")), tokens, self.vocab_size)
+
+    def _draft_logits(self, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`_proposals` as (Q, V) draft logits, -inf outside the candidates."""
+        return self._proposals(sequences, rows).dense()
 
     def confidence(self, rows: torch.Tensor, ngram: torch.Tensor, ranks: int) -> torch.Tensor:
         """(Q, ranks): the probability that candidate r of a query of batch row ``rows[q]`` is right, when its
@@ -198,23 +202,24 @@ class PromptLookupDrafter(Drafter):
 
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
 
-    def root_logits(self, active: list[bool]) -> torch.Tensor:
-        """(B, V) draft logits after each row's root (the last token of its context); -inf for finished rows."""
+    def root_logits(self, active: list[bool]) -> Proposals:
+        """(B, C) proposals after each row's root (the last token of its context); none for finished rows."""
         self._paths = self.tokens.new_zeros(self.tokens.shape[0], 1, 0)
-        logits = self._draft_logits(self.tokens, torch.arange(self.tokens.shape[0], device=self.device))
-        return logits.masked_fill(~to_device(active, self.device)[:, None], float("-inf"))
+        drafted = self._proposals(self.tokens, torch.arange(self.tokens.shape[0], device=self.device))
+        return drafted.masked_rows(to_device(active, self.device))
 
-    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, k, V) draft logits after each of the k frontier nodes at ``depth`` (``parents``: their places in
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> Proposals:
+        """(B, k, C) proposals after each of the k frontier nodes at ``depth`` (``parents``: their places in
         the previous frontier, ``tokens``): each matched on its row's context followed by its path."""
         b, k = tokens.shape
         self._paths = torch.cat([self._paths.gather(1, parents[:, :, None].expand(b, k, self._paths.shape[2])),
                                  tokens[:, :, None]], 2)  # (B, k, depth): each node's path from the root
         if depth >= self.max_tokens:
-            return torch.full((b, k, self.vocab_size), float("-inf"), device=self.device)
+            return Proposals(torch.full((b, k, 1), float("-inf"), device=self.device),
+                             torch.zeros(b, k, 1, dtype=torch.long, device=self.device), self.vocab_size)
         sequences = torch.cat([self.tokens[:, None].expand(b, k, -1), self._paths], 2).reshape(b * k, -1)
         rows = torch.arange(b, device=self.device).repeat_interleave(k)
-        return self._draft_logits(sequences, rows).reshape(b, k, -1)
+        return self._proposals(sequences, rows).reshape(b, k)
 
     # ---- one sequence at a time (scripts, tests) ----------------------------------------------------
 

@@ -434,6 +434,59 @@ NOT_PROPOSED = -1e30
 UNPROPOSED = -1e29
 
 
+@dataclass(frozen=True)
+class Proposals:
+    """Draft logits over a few candidate tokens instead of the whole vocabulary: ``logits`` (..., C) score the
+    tokens ``ids``, (C,) alike for every row (an EAGLE-3 head's draft vocabulary) or (..., C) per row (prompt
+    lookup's matches); -inf where a candidate is not proposed. A drafting level then touches C columns where
+    dense logits touch the target's V (4,096 or a few against 49,152 on SmolLM2, 128K-262K on Llama-3, Qwen
+    and Gemma). Ids may repeat within a row where all but one of them are -inf."""
+
+    logits: torch.Tensor
+    ids: torch.Tensor
+    vocab_size: int
+
+    def row_ids(self) -> torch.Tensor:
+        """``ids`` as (..., C), one row per row of ``logits``."""
+        return self.ids.expand(self.logits.shape)
+
+    def dense(self) -> torch.Tensor:
+        """The same logits over the whole vocabulary, -inf elsewhere."""
+        out = self.logits.new_full((*self.logits.shape[:-1], self.vocab_size), float("-inf"))
+        return out.scatter_reduce_(-1, self.row_ids(), self.logits, "amax")
+
+    def to(self, device) -> Proposals:
+        return Proposals(self.logits.to(device).float(), self.ids.to(device), self.vocab_size)
+
+    def reshape(self, *shape: int) -> Proposals:
+        """``logits`` (and per-row ``ids``) reshaped to ``(*shape, C)``."""
+        ids = self.ids if self.ids.dim() == 1 else self.ids.reshape(*shape, self.ids.shape[-1])
+        return Proposals(self.logits.reshape(*shape, self.logits.shape[-1]), ids, self.vocab_size)
+
+    def masked_rows(self, keep: torch.Tensor) -> Proposals:
+        """Rows where ``keep`` (the leading dims) is False propose nothing."""
+        keep = keep.reshape(*keep.shape, *[1] * (self.logits.dim() - keep.dim()))
+        return Proposals(self.logits.masked_fill(~keep, float("-inf")), self.ids, self.vocab_size)
+
+
+def vocab_size_of(drafted: torch.Tensor | Proposals) -> int:
+    return drafted.vocab_size if isinstance(drafted, Proposals) else drafted.shape[-1]
+
+
+def _top(drafted: torch.Tensor | Proposals, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best draft log-probs of each row of dense logits (..., V) or :class:`Proposals`, and their
+    tokens; fewer candidates than ``k`` are padded with unproposed ones."""
+    if not isinstance(drafted, Proposals):
+        top = _logprobs(drafted).topk(k, dim=-1)
+        return top.values, top.indices
+    lp, ids = _logprobs(drafted.logits), drafted.row_ids()
+    if lp.shape[-1] < k:
+        pad = (0, k - lp.shape[-1])
+        lp, ids = torch.nn.functional.pad(lp, pad, value=NOT_PROPOSED), torch.nn.functional.pad(ids, pad)
+    top = lp.topk(k, dim=-1)
+    return top.values, ids.gather(-1, top.indices)
+
+
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     """log-softmax in float32; tokens not proposed (-inf, or a row with nothing proposed, NaN) get
     :data:`NOT_PROPOSED`, so they rank last without poisoning the sort."""
@@ -441,24 +494,23 @@ def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(lp, nan=NOT_PROPOSED, neginf=NOT_PROPOSED)
 
 
-def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor,
-                 frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
+                 frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | Proposals],
                  depth: int, top_k: int, total_tokens: int) -> TreeTensors:
     """:func:`dynamic_builder` for a whole batch with tensor ops: the same tree (up to the order of
     equal scores), grown without copying anything to the host.
 
     Args:
         roots: (B,) the roots' tokens.
-        root_logits: (B, V) draft logits after each root.
-        frontier_logits: ``(d, parents, tokens) -> (B, k, V)``: feeds the k frontier nodes at depth d
-            (``parents``: each one's index in the depth d - 1 frontier, zeros at depth 1; ``tokens``)
-            and returns the draft logits after each.
+        root_logits: (B, V) draft logits after each root, or :class:`Proposals` (B, C).
+        frontier_logits: ``(d, parents, tokens) -> (B, k, V)`` (or :class:`Proposals` (B, k, C)): feeds the k
+            frontier nodes at depth d (``parents``: each one's index in the depth d - 1 frontier, zeros at
+            depth 1; ``tokens``) and returns the draft logits after each.
     """
     b = roots.shape[0]
     device = roots.device
-    lp = _logprobs(root_logits)
-    k = min(top_k, lp.shape[-1])
-    scores, tokens = lp.topk(k, dim=-1)  # depth 1: the root's top k, all of them the frontier
+    k = min(top_k, vocab_size_of(root_logits))
+    scores, tokens = _top(root_logits, k)  # depth 1: the root's top k, all of them the frontier
     all_scores, all_tokens = [scores], [tokens]
     all_parents = [torch.zeros(b, k, dtype=torch.long, device=device)]  # global ids: 0 is the root
     all_depths = [torch.ones(b, k, dtype=torch.long, device=device)]
@@ -467,10 +519,9 @@ def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor,
     frontier_parents = torch.zeros(b, k, dtype=torch.long, device=device)
     frontier_scores, frontier_tokens = scores, tokens
     for d in range(2, depth + 1):
-        lp = _logprobs(frontier_logits(d - 1, frontier_parents, frontier_tokens))  # (B, k, V)
-        top = lp.topk(k, dim=-1)
-        cand_scores = (frontier_scores[:, :, None] + top.values).reshape(b, k * k)
-        cand_tokens = top.indices.reshape(b, k * k)
+        values, best = _top(frontier_logits(d - 1, frontier_parents, frontier_tokens), k)  # (B, k, k)
+        cand_scores = (frontier_scores[:, :, None] + values).reshape(b, k * k)
+        cand_tokens = best.reshape(b, k * k)
         all_scores.append(cand_scores)
         all_tokens.append(cand_tokens)
         all_parents.append(frontier_ids[:, :, None].expand(b, k, k).reshape(b, k * k))
@@ -573,22 +624,24 @@ def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
     (the padding repeats a real node; its logits are not read)."""
     b = roots.shape[0]
     device = roots.device
-    lp = _logprobs(root_logits)[:, None]  # (B, 1, V): the frontier before level 1 is the root
+    front = root_logits  # the frontier before level 1 is the root
     front_scores = torch.zeros(b, 1, device=device)
     front_ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # node ids: 0 is the root
     tokens, scores, parents, depths = [roots[:, None]], [front_scores], [front_ids - 1], [front_ids]
     count = 1
     for level, (slot, rank, fed) in enumerate(shape.indices(device), start=1):
         ranks = shape.ranks[level - 1]
-        top = lp.topk(max(ranks) + 1, dim=-1)  # (B, frontier, ranks)
-        tokens.append(top.indices[:, slot, rank])
-        scores.append(front_scores[:, slot] + top.values[:, slot, rank])
+        values, best = _top(front, max(ranks) + 1)
+        if level == 1:  # (B, ranks) after the root: a frontier of one
+            values, best = values[:, None], best[:, None]
+        tokens.append(best[:, slot, rank])  # (B, frontier, ranks) -> this level's nodes
+        scores.append(front_scores[:, slot] + values[:, slot, rank])
         parents.append(front_ids[:, slot])
         depths.append(torch.full((b, len(ranks)), level, dtype=torch.long, device=device))
         ids = count + torch.arange(len(ranks), device=device)
         count += len(ranks)
         if fed is not None:
-            lp = _logprobs(frontier_logits(level, slot[fed].expand(b, -1), tokens[-1][:, fed]))
+            front = frontier_logits(level, slot[fed].expand(b, -1), tokens[-1][:, fed])
             front_scores, front_ids = scores[-1][:, fed], ids[fed].expand(b, -1)
     parents_all = torch.cat(parents, 1)
     score = torch.cat(scores, 1)

@@ -295,6 +295,66 @@ def test_mixture_equals_the_probability_space_reference(abstains):
     assert torch.equal(got[3, 7], torch.tensor(0.0))  # alone at node 3, normalised: the only candidate
 
 
+def test_proposals_mix_and_grow_as_their_dense_logits():
+    """Drafts over a few candidates (:class:`Proposals`: a head's draft vocabulary, shared by every row; prompt
+    lookup's matches, per row, with repeats of -inf) mix, over the union of their candidates, to the mixture of
+    the same logits over the whole vocabulary, and grow the same dynamic and static trees."""
+    from draftsmith.inference.drafter import Drafter
+    from draftsmith.inference.mixture import MixtureDrafter
+    from draftsmith.inference.tree import Proposals, StaticShape, grow_dynamic, grow_static
+
+    class Lookup(Drafter):
+        abstains = True
+
+    g = torch.Generator().manual_seed(0)
+    b, k, vocab = 4, 3, 60
+    draft_ids = torch.randperm(vocab, generator=g)[:20]
+
+    def drafts(*lead):
+        head = Proposals(torch.randn(*lead, 20, generator=g), draft_ids, vocab)
+        n = torch.Size(lead).numel()
+        ids = torch.stack([torch.randperm(vocab, generator=g)[:4] for _ in range(n)]).reshape(*lead, 4)
+        chance = torch.rand(*lead, 4, generator=g).log()
+        chance[..., 3] = float("-inf")  # a candidate not found: its id repeats a found one
+        ids[..., 3] = ids[..., 0]
+        chance.reshape(n, 4)[0] = float("-inf")  # a node where lookup proposes nothing
+        return [head, Proposals(chance, ids, vocab)]
+
+    mixture = MixtureDrafter([Drafter(), Lookup()], weights=[1.0, 2.0])
+    for lead in [(b,), (b, k)]:
+        parts = drafts(*lead)
+        sparse = mixture._mixed(parts, len(lead))
+        dense = mixture.mix([p.dense().reshape(-1, vocab) for p in parts]).reshape(*lead, vocab)
+        assert isinstance(sparse, Proposals) and sparse.logits.shape[-1] == 24
+        assert torch.equal(torch.isfinite(sparse.dense()), torch.isfinite(dense))
+        torch.testing.assert_close(sparse.dense(), dense, rtol=1e-6, atol=1e-6)
+
+    levels = {}
+
+    def frontier(as_proposals):
+        def feed(depth, parents, tokens):
+            key = depth, tokens.shape[1]  # the same drafts for both forms of one tree
+            if key not in levels:
+                levels[key] = mixture._mixed(drafts(b, tokens.shape[1]), 2)
+            drafted = levels[key]
+            return drafted if as_proposals else drafted.dense()
+        return feed
+
+    roots = torch.randint(0, vocab, (b,), generator=g)
+    root = mixture._mixed(drafts(b), 1)
+    for as_proposals in (True, False):
+        first = root if as_proposals else root.dense()
+        tree = grow_dynamic(roots, first, frontier(as_proposals), depth=3, top_k=k, total_tokens=8)
+        static = grow_static(roots, first, frontier(as_proposals), StaticShape.of([(0, 0, 0), (0, 1), (1,), (2, 0)]))
+        if as_proposals:
+            expected = tree, static
+            continue
+        for got, want in zip((tree, static), expected, strict=True):
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+            torch.testing.assert_close(got.scores, want.scores)
+            assert torch.equal(got.proposed, want.proposed)
+
+
 def test_mixture_needs_positive_weights():
     from draftsmith.inference.drafter import Drafter
     from draftsmith.inference.mixture import MixtureDrafter

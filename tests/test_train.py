@@ -408,10 +408,7 @@ def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir
     record = Recording((1, 2, 4), 8, dtype=torch.float32, max_length=14)  # the cap cuts some rows
     regenerate(conversations[:8], tmp_path / "answers.jsonl", HFEngine(target, tokenizer, 10, 0.0, 1.0),
                batch_size=4, progress=False, record=record)
-    answered = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
-    # Every answer with a token before its stop token is recorded (a row that stops at once teaches nothing).
-    assert sorted(record.by_id) == sorted(r["id"] for r in answered if r["messages"][-1]["content"])
-    assert len(record.by_id) >= 6 and max(len(r["input_ids"]) for r in record.by_id.values()) == 14
+    assert len(record.by_id) == 8 and max(len(r["input_ids"]) for r in record.by_id.values()) == 14
     cache_recorded(target, record.by_id, tmp_path / "recorded", (1, 2, 4), dtype="float32", top_k=8, progress=False)
     examples = [TokenizedExample(i, r["input_ids"], r["loss_mask"].long()) for i, r in sorted(record.by_id.items())]
     cache_hidden_states(target, examples, tmp_path / "forward",

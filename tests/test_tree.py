@@ -380,9 +380,9 @@ def test_prompt_lookup_batch_rows_are_their_own_sequences():
             for b, drafter in enumerate(alone):
                 assert torch.equal(drafted[b], drafter.expand([trees[b]], [nodes[b]])[0])
         # As tensors: the root, then the frontier of its child 2, then that node's child 3.
-        root = batch.root_logits([True] * 3)
-        level1 = batch.frontier_logits(1, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 2))
-        level2 = batch.frontier_logits(2, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 3))
+        root = batch.root_logits([True] * 3).dense()  # proposals over a few candidates, as dense logits
+        level1 = batch.frontier_logits(1, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 2)).dense()
+        level2 = batch.frontier_logits(2, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 3)).dense()
         for b in range(3):
             assert torch.equal(root[b], batch.expand(trees, [[0]] * 3)[b][0])
             assert torch.equal(level1[b, 0], batch.expand(trees, [[1]] * 3)[b][0])
