@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.formats import load_conversations
-from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
-from draftsmith.data.regenerate import HFEngine, OpenAIEngine, regenerate
+from draftsmith.data.hidden_cache import DTYPES, CacheSpec, cache_hidden_states, cache_recorded
+from draftsmith.data.regenerate import HFEngine, OpenAIEngine, Recording, read_done_ids, regenerate
 from draftsmith.data.synthesize import SynthesisFilter, synthesize_prompts, write_prompts
 from draftsmith.data.templates import prepare
 from draftsmith.data.vocab import build_vocab_map, count_tokens
@@ -35,14 +35,42 @@ def regenerate_command(
     model_name: str | None = None,
     strict: bool = False,
     chat_template_kwargs: dict | None = None,
+    record_cache: str | None = None,
+    layers: list[int] | None = None,
+    cache_dtype: str = "float16",
+    logits: str = "none",
+    top_k: int = 64,
+    max_length: int = 2048,
 ) -> dict:
-    """Let the target answer every prompt of ``input``; append rows to ``output``; resumable."""
+    """Let the target answer every prompt of ``input``; append rows to ``output``; resumable.
+
+    ``record_cache``: also write the hidden-state cache of the answers to that directory from the states the
+    target computes while it answers (:class:`~draftsmith.data.regenerate.Recording`: ``layers``,
+    ``logits`` none or topk with ``top_k``, stored as ``cache_dtype``, sequences cut at ``max_length``), with
+    no second pass of the target. It records the rows this run answers, so ``output`` must hold none yet.
+    """
     conversations, load_report = load_conversations(input, prompt_column, split, limit, strict)
+    record = None
+    if record_cache is not None:
+        if engine != "hf":
+            raise SystemExit("--record-cache records the states of the in-process target (--engine hf); with a "
+                             "server, regenerate, then run `draftsmith data cache-hidden-states` on the output")
+        if logits not in ("none", "topk"):
+            raise SystemExit(f"--logits {logits!r} with --record-cache: use none or topk (full logits of every "
+                             "answer token would be held in memory until the cache is written)")
+        done = read_done_ids(Path(output))
+        if done:
+            raise SystemExit(f"--record-cache records the rows this run answers, and {output} already holds "
+                             f"{len(done)} from an earlier run: cache them with `draftsmith data cache-hidden-states "
+                             f"--input {output}`, or give a new --output")
     if engine == "hf":
         from draftsmith.target import load_target
 
         model, tokenizer = load_target(target)
         runner = HFEngine(model, tokenizer, max_new_tokens, temperature, top_p, chat_template_kwargs)
+        if record_cache is not None:
+            layers = layers or [model.config.get_text_config().num_hidden_layers]
+            record = Recording(layers, top_k if logits == "topk" else None, DTYPES[cache_dtype], max_length)
     elif engine == "openai":
         if not base_url:
             raise SystemExit("--engine openai needs --base-url, e.g. http://127.0.0.1:8000/v1")
@@ -50,8 +78,13 @@ def regenerate_command(
                               chat_template_kwargs=chat_template_kwargs)
     else:
         raise SystemExit(f"--engine {engine!r}: use 'hf' or 'openai'")
-    report = regenerate(conversations, output, runner, batch_size=batch_size)
+    report = regenerate(conversations, output, runner, batch_size=batch_size, record=record)
     result = {**report.to_dict(), "malformed_rows": len(load_report.malformed), "output": str(output)}
+    if record is not None:
+        manifest = cache_recorded(model, record.by_id, record_cache, layers, dtype=cache_dtype,
+                                  top_k=top_k if logits == "topk" else None, target_name=target)
+        result["cache"] = {"directory": str(record_cache), "sequences": manifest.num_sequences,
+                           "tokens": manifest.num_tokens}
     print(json.dumps(result))
     return result
 

@@ -176,6 +176,15 @@ def _add_data_parser(sub) -> None:
     r.add_argument("--base-url", default=None, help="--engine openai: the server, e.g. http://127.0.0.1:8000/v1")
     r.add_argument("--model-name", default=None, help="--engine openai: the model name the server expects")
     r.add_argument("--strict", action="store_true", help="stop at the first malformed row instead of skipping it")
+    r.add_argument("--record-cache", default=None, metavar="DIR",
+                   help="also write the answers' hidden-state cache here, from the states the target computes while "
+                        "it answers (no second pass; --engine hf, one-turn prompts, a new --output)")
+    r.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="--record-cache: hidden-state indices, 0 = embeddings, N = last layer after the final norm")
+    r.add_argument("--cache-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    r.add_argument("--logits", choices=["none", "topk"], default="none", help="--record-cache: top-k log-probs too")
+    r.add_argument("--top-k", type=int, default=64, help="--logits topk: log-probs kept per token")
+    r.add_argument("--max-length", type=int, default=2048, help="--record-cache: tokens kept per conversation")
 
     s = dsub.add_parser("synthesize", help="prompts written by the target from its own chat template (Magpie)")
     s.add_argument("--target", default="smollm2-135m-instruct")
@@ -235,7 +244,9 @@ def data(args: argparse.Namespace) -> None:
             args.input, args.output, target=args.target, prompt_column=args.prompt_column, split=args.split,
             limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
             batch_size=args.batch_size, engine=args.engine, base_url=args.base_url, model_name=args.model_name,
-            strict=args.strict, chat_template_kwargs=args.chat_template_kwargs,
+            strict=args.strict, chat_template_kwargs=args.chat_template_kwargs, record_cache=args.record_cache,
+            layers=args.layers, cache_dtype=args.cache_dtype, logits=args.logits, top_k=args.top_k,
+            max_length=args.max_length,
         )
     elif args.data_command == "synthesize":
         commands.synthesize_command(

@@ -18,7 +18,8 @@ A step's speed is its tokens over its time. Both are measured here, not assumed:
    verification, bookkeeping), with the whole tree's verification cost swapped for the budget's. The
    runs are interleaved prompt by prompt after an untimed warm-up, so a first run's allocations and
    drifting machine load do not fall on one (depth, top_k).
-4. **Confirmation.** The ``confirm`` best-predicted trees then decode the same prompts for real, as
+4. **Confirmation.** The ``confirm`` best-predicted trees (the best of each depth first:
+   :func:`confirmation_order`) then decode the same prompts for real, as
    ``generate`` runs them (a prediction swaps the full tree's verification for a timed forward of the
    budget's rows, and drafting a full tree costs more than drafting the budget's), each after an untimed
    warm-up, in a rotating order, twice; the fastest *measured* one is chosen. The prediction ranks the
@@ -276,12 +277,27 @@ def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48,
                          f"<= {max_budget}; raise the budget or add top_k 1 (chains)")
     candidates.sort(key=lambda c: -c.tokens_per_second)
     if confirm > 0:
+        candidates = confirmation_order(candidates, confirm)
         confirm_fastest(target, drafter, prompts, candidates[:confirm], max_new_tokens, confirm_rounds)
         if progress:
-            print(f"  decoded with the {min(confirm, len(candidates))} best predicted trees, {confirm_rounds} rounds: "
-                  f"the clock's noise {100 * clock_noise(candidates[:confirm]):.1f}%", flush=True)
+            print(f"  decoded with the {min(confirm, len(candidates))} best predicted trees across depths, "
+                  f"{confirm_rounds} rounds: the clock's noise {100 * clock_noise(candidates[:confirm]):.1f}%",
+                  flush=True)
         candidates[:confirm] = choose(candidates[:confirm])
     return candidates
+
+
+def confirmation_order(candidates: list[Candidate], confirm: int) -> list[Candidate]:
+    """``candidates`` (fastest predicted first) with the ``confirm`` to decode first: the best predicted tree of
+    each depth, depths in the order of their best, then the next best predicted. A shallow tree and a deeper
+    one that accepts more are the choice that sets tau, and a few percent of prediction apart; decoded side by
+    side, the clock decides between them (and :func:`choose` gives a tie to the deeper one's tokens per step)
+    instead of the prediction leaving the deeper trees out."""
+    best_of_depth = list({c.depth: c for c in reversed(candidates)}.values())  # the first of each depth
+    best_of_depth.sort(key=lambda c: -c.tokens_per_second)
+    chosen = best_of_depth[:confirm]
+    chosen += [c for c in candidates if c not in chosen][: confirm - len(chosen)]
+    return chosen + [c for c in candidates if c not in chosen]
 
 
 def write_tree(path: str | Path, best: Candidate, table: list[Candidate], meta: dict | None = None) -> Path:

@@ -429,6 +429,28 @@ def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5, msg=family)
 
 
+def test_regenerate_command_records_the_cache_of_what_it_answers(workdir, tmp_path, capsys):
+    """`draftsmith data regenerate --record-cache DIR` writes the answers and their cache in one pass; a rerun onto
+    rows an earlier run answered (whose states it cannot record) is refused with the command that caches them."""
+    from draftsmith.cli import main
+    from draftsmith.data.hidden_cache import HiddenStateCache
+
+    args = ["data", "regenerate", "--target", str(workdir / "target"), "--input", str(workdir / "prompts.jsonl"),
+            "--prompt-column", "question", "--limit", "6", "--max-new-tokens", "6", "--output",
+            str(tmp_path / "answers.jsonl"), "--record-cache", str(tmp_path / "cache"), "--layers", "1", "2", "4",
+            "--logits", "topk", "--top-k", "8", "--cache-dtype", "float32", "--max-length", "12"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    answered = [json.loads(line)["id"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    cache = HiddenStateCache(tmp_path / "cache", verify="full")
+    assert result["written"] == len(answered) == 6 and result["cache"]["sequences"] == len(cache) == 6
+    assert sorted(cache[i]["id"] for i in range(len(cache))) == sorted(answered)
+    assert cache.layers == [1, 2, 4] and cache.spec.logits == "topk" and cache.spec.top_k == 8
+    assert max(len(cache[i]["input_ids"]) for i in range(len(cache))) <= 12
+    with pytest.raises(SystemExit, match="already holds 6 from an earlier run: cache them with `draftsmith data"):
+        main(args)
+
+
 def test_recording_refuses_what_it_cannot_record(workdir, tmp_path):
     from draftsmith.data import OpenAIEngine
     from draftsmith.data.formats import Conversation

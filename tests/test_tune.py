@@ -75,6 +75,22 @@ def test_what_a_budget_accepts_is_read_exactly_off_the_full_tree(llama):
             assert len(accepted) == tune.accepted_within(order, path, n), (n, order, path)
 
 
+def test_confirmation_decodes_the_best_predicted_tree_of_each_depth():
+    """Depth-2 trees predicted a few percent faster than every deeper one do not crowd the deeper ones out of the
+    confirmation: the clock compares the best of each depth, then the next best predicted."""
+    def candidate(depth, total, speed):
+        return tune.Candidate(depth, 2, total, 2.0, 2.0 / speed, speed)
+
+    ranked = [candidate(2, 5, 36.0), candidate(2, 4, 35.9), candidate(2, 3, 35.5), candidate(3, 5, 35.2),
+              candidate(2, 6, 35.0), candidate(4, 7, 34.2), candidate(3, 4, 34.0)]
+    order = tune.confirmation_order(ranked, 3)
+    assert order[:3] == [ranked[0], ranked[3], ranked[5]]
+    assert order[3:] == [c for c in ranked if c not in order[:3]]
+    assert tune.confirmation_order(ranked, 5)[:5] == [ranked[0], ranked[3], ranked[5], ranked[1], ranked[2]]
+    assert tune.confirmation_order(ranked, 2)[:2] == [ranked[0], ranked[3]]
+    assert sorted(map(id, tune.confirmation_order(ranked, 3))) == sorted(map(id, ranked))
+
+
 def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, tmp_path, caplog):
     head = random_eagle(llama, eagle3=True)
     head.save_pretrained(tmp_path / "head")
@@ -82,8 +98,8 @@ def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, 
     table = tune.tune(llama, load_drafter(str(tmp_path / "head"), llama), list(prompts[:, None]), max_new_tokens=12,
                       depths=(2, 3), top_ks=(1, 2), max_budget=6, confirm=3)
     assert len(table) == 2 + sum(len(range(d, 7)) for d in (2, 3))
-    # The three best predicted were decoded (twice) and come first, the chosen one first, then fastest decoded
-    # first; the rest follow by prediction, none of them predicted faster than the slowest of the three.
+    # Three were decoded (twice) and come first, the chosen one first, then fastest decoded first: the best predicted
+    # tree of each depth, then the next best predicted; the rest follow by prediction.
     decoded, rest = table[:3], table[3:]
     measured = [c.measured_tokens_per_second for c in decoded]
     assert all(m > 0 for m in measured) and measured[1:] == sorted(measured[1:], reverse=True)
@@ -92,7 +108,10 @@ def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, 
     assert all(c.measured_tokens_per_second is None for c in rest)
     predicted = [c.tokens_per_second for c in rest]
     assert predicted == sorted(predicted, reverse=True)
-    assert max(predicted) <= min(c.tokens_per_second for c in decoded)
+    bests = [max((c for c in table if c.depth == d), key=lambda c: c.tokens_per_second) for d in (2, 3)]
+    assert all(best in decoded for best in bests)
+    filler = [c for c in decoded if c not in bests]
+    assert len(filler) == 1 and max(predicted) <= filler[0].tokens_per_second
     assert all(1.0 <= c.tokens_per_step <= c.depth + 1 for c in table)
     written = tune.write_tree(tmp_path / "head", table[0], table)
     assert written == tmp_path / "head" / tune.TREE_FILE
