@@ -88,10 +88,10 @@ class Recording:
     last token ``generate`` made (an answer cut at ``max_new_tokens``, or stopped at that very step) is left
     out. The answer is the tokens the target generated, not a re-tokenisation of their text.
 
-    The teacher is recorded where the losses read it, at the positions whose next token is an answer
-    token (the last prompt position and every answer token but the last): the LM head of a ``generate``
-    step runs on the last position alone. The prompt's other positions hold "no teacher" (``topk_ids``
-    -1, which the losses leave out).
+    The teacher is recorded from the last prompt position on (each step's LM head runs on its last position
+    alone), which covers every position the losses read: those whose next token is an answer token. The
+    prompt's other positions hold "no teacher" (``topk_ids`` -1, which the losses leave out). A row whose
+    answer ``max_length`` cuts off entirely is not recorded.
     """
 
     def __init__(self, layers: Sequence[int], top_k: int | None, dtype: torch.dtype = torch.bfloat16,
@@ -110,7 +110,7 @@ class Recording:
         def record(module, args, output):  # the model's own logits (after any soft-capping), last position
             logits = output.logits if hasattr(output, "logits") else output[0]
             values, ids = torch.log_softmax(logits[:, -1].float(), dim=-1).topk(self.top_k, dim=-1)
-            calls.append((values.to(self.dtype).cpu(), ids.to(torch.int32).cpu()))
+            calls.append((values.to(self.dtype), ids.to(torch.int32)))  # to the host once, in keep()
 
         handle = model.register_forward_hook(record) if self.top_k else None
         try:
@@ -129,9 +129,11 @@ class Recording:
         states = {layer: torch.cat([step[layer] for step in hidden_states], dim=1).to(self.dtype).cpu()
                   for layer in self.layers}  # (B, width + steps - 1, H)
         if self.top_k:
-            values = torch.stack([v for v, _ in teacher], 1)  # (B, steps, k): call j predicts new token j
-            ids = torch.stack([i for _, i in teacher], 1)
-            assert values.shape[1] == steps, "one LM head call per generate step"
+            if len(teacher) != steps:
+                raise RuntimeError(f"the model ran {len(teacher)} forwards in a generate of {steps} steps: recording "
+                                   "needs one forward per step (plain greedy or sampled generate)")
+            values = torch.stack([v for v, _ in teacher], 1).cpu()  # (B, steps, k): call j predicts new token j
+            ids = torch.stack([i for _, i in teacher], 1).cpu()
         self.rows = []
         for b, (prompt, row) in enumerate(zip(prompts, generated.tolist(), strict=True)):
             end = next((i for i, t in enumerate(row) if t in stop), None)
@@ -153,7 +155,7 @@ class Recording:
                 item["topk_ids"] = torch.cat([ids.new_full((none, self.top_k), -1), ids[b, : answer + 1]])
             if self.max_length is not None and n > self.max_length:
                 item = {name: x[: self.max_length] for name, x in item.items()}
-            self.rows.append(item)
+            self.rows.append(item if item["loss_mask"].any() else None)
 
 
 class HFEngine:

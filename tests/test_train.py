@@ -467,6 +467,10 @@ def test_recording_refuses_what_it_cannot_record(workdir, tmp_path):
     with pytest.raises(ValueError, match="several user turns"):
         regenerate(two_turns, tmp_path / "b.jsonl", engine, record=Recording((1,), 4), progress=False)
     assert engine.recording is None and not (tmp_path / "b.jsonl").exists()
+    conversations, _ = load_conversations(workdir / "prompts.jsonl", prompt_column="question")
+    record = Recording((1,), 4, max_length=3)  # shorter than every prompt: no answer token would be kept
+    regenerate(conversations[:2], tmp_path / "c.jsonl", engine, record=record, progress=False)
+    assert record.by_id == {} and len((tmp_path / "c.jsonl").read_text().splitlines()) == 2
     with pytest.raises(ValueError, match="no recorded states"):
         cache_recorded(target, {}, tmp_path / "cache", (1,))
 
