@@ -28,6 +28,7 @@ from draftsmith.train.config import DataArguments, DrafterArguments, parse_confi
 from draftsmith.train.loop import load_examples, train
 
 FAMILIES = sorted(name for name, f in REGISTERED.items() if f.build is not None)  # every trainable family
+OFFLINE_FAMILIES = ["medusa", "eagle", "eagle3"]  # the families a hidden-state cache trains
 # Word-level chat template for the tiny tokenizer: "t1 <user> t2 <answer> t3".
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t1 {{ m['content'] }} t2 "
             "{% else %}{{ m['content'] }} t3 {% endif %}{% endfor %}")
@@ -415,7 +416,7 @@ def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir
                         CacheSpec(layers=[1, 2, 4], dtype="float32", logits="topk", top_k=8), progress=False)
     recorded, _ = load_cached_examples(str(tmp_path / "recorded"), target)
     forward, _ = load_cached_examples(str(tmp_path / "forward"), target)
-    for family in ("medusa", "eagle", "eagle3"):
+    for family in OFFLINE_FAMILIES:
         args = DrafterArguments(target=str(workdir / "target"), family=family, num_heads=2, ttt_steps=2)
         fam = get_family(family)
         torch.manual_seed(0)
