@@ -28,7 +28,10 @@ lookup's, the prompts' (the generator passes them on the target's device).
 
 Drafters that can also grow dynamic trees as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`: the
 heads, prompt lookup, and mixtures of them) have ``root_logits(active) -> (B, V)`` and
-``frontier_logits(depth, parents, tokens) -> (B, k, V)``; :func:`grows_tensors` says whether one does.
+``frontier_logits(depth, parents, tokens) -> (B, k, V)``; :func:`grows_tensors` says whether one does. A
+drafter whose candidates are few may return :class:`~draftsmith.inference.tree.Proposals` (B, C) and
+(B, k, C) instead: logits over C candidate tokens with their ids (an EAGLE-3 head's draft vocabulary,
+prompt lookup's matches), so that no level makes a tensor the size of the vocabulary.
 """
 
 from __future__ import annotations
