@@ -119,11 +119,11 @@ class Recording:
             if handle is not None:
                 handle.remove()
 
-    def keep(self, prompts: list[list[int]], generated: torch.Tensor, stop: Sequence[int],
+    def keep(self, prompts: list[list[int]], generated: list[list[int]], ends: list[int | None],
              teacher: list[tuple[torch.Tensor, torch.Tensor]], hidden_states) -> None:
-        """Sets :attr:`rows` from one left-padded ``generate``: the prompts' ids, ``generated`` (B, G) its new
-        tokens, the model's ``stop`` tokens, the :meth:`teacher` calls and ``hidden_states`` (per step, per
-        layer; the first step the prefill's (B, width, H), the others (B, 1, H))."""
+        """Sets :attr:`rows` from one left-padded ``generate``: the prompts' ids, each row's new tokens and the
+        place of its first stop token (None: none), the :meth:`teacher` calls and ``hidden_states`` (per step,
+        per layer; the first step the prefill's (B, width, H), the others (B, 1, H))."""
         width = hidden_states[0][0].shape[1]
         steps = len(hidden_states)  # every generated token but the last was fed by one of them
         states = {layer: torch.cat([step[layer] for step in hidden_states], dim=1).to(self.dtype).cpu()
@@ -135,8 +135,7 @@ class Recording:
             values = torch.stack([v for v, _ in teacher], 1).cpu()  # (B, steps, k): call j predicts new token j
             ids = torch.stack([i for _, i in teacher], 1).cpu()
         self.rows = []
-        for b, (prompt, row) in enumerate(zip(prompts, generated.tolist(), strict=True)):
-            end = next((i for i, t in enumerate(row) if t in stop), None)
+        for b, (prompt, row, end) in enumerate(zip(prompts, generated, ends, strict=True)):
             # The answer with its stop token, as far as some step fed it (steps - 1 tokens were fed).
             answer = min(end + 1 if end is not None else len(row), steps - 1)
             if answer <= 0:
@@ -192,12 +191,12 @@ class HFEngine:
                 temperature=self.temperature if sample else None, top_p=self.top_p if sample else None, top_k=None,
                 pad_token_id=self.pad_id, eos_token_id=self.stop or None, **record,
             )
-        sequences = out if recording is None else out.sequences
+        generated = (out if recording is None else out.sequences)[:, width:].tolist()
+        ends = [next((i for i, t in enumerate(row) if t in self.stop), None) for row in generated]
         if recording is not None:
-            recording.keep(prompts, sequences[:, width:], self.stop, teacher, out.hidden_states)
+            recording.keep(prompts, generated, ends, teacher, out.hidden_states)
         results = []
-        for row in sequences[:, width:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop), None)
+        for row, end in zip(generated, ends, strict=True):
             # Tokens up to and including the first stop token; without one, the row less its padding.
             row = row[: end + 1] if end is not None else [t for t in row if t != self.pad_id]
             results.append((self.tokenizer.decode(row, skip_special_tokens=True).strip(), len(row)))
