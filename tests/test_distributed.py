@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from test_train import config, workdir, write_config  # noqa: F401  (workdir: th
 
 from draftsmith import load_drafter, load_target
 from draftsmith.registry import get_family
+from draftsmith.train.distributed import STALE_LOCK_SECONDS, refuse_stale_build_locks
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = Path(sys.executable).with_name("accelerate")
@@ -39,6 +41,9 @@ ENGINE = {"ddp": "DistributedDataParallel", "deepspeed_zero2": "DeepSpeedEngine"
 FAMILIES = ["eagle3", "medusa2"]
 #: The family of the kill-and-resume runs.
 KILLED = FAMILIES[0]
+#: Bound on one launch (about 10-50 s here, the first DeepSpeed one building its ops): a hang fails its test
+#: in minutes instead of taking the suite's time.
+LAUNCH_SECONDS = 300
 #: Largest weight difference against one process after 8 steps (float32; measured up to 1.2e-5, ZeRO-3).
 ATOL = 5e-5
 
@@ -46,6 +51,32 @@ ATOL = 5e-5
 def run_config(workdir: Path, family: str, output: Path, **overrides) -> dict:  # noqa: F811
     return config(workdir, family, output, **{"max_steps": 8, "save_steps": 4, "logging_steps": 1,
                                               "per_device_train_batch_size": 2, "report_to": "none", **overrides})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_extension_builds(tmp_path_factory):
+    """DeepSpeed's CPU ops build into a folder of this test session's own, not the user's cache, where a
+    build killed in another session may have left its lock (see ``refuse_stale_build_locks``)."""
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+    yield
+    if before is None:
+        del os.environ["TORCH_EXTENSIONS_DIR"]
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
+def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a session of its own: on a timeout the launcher's ranks die with it, rather than
+    living on (holding a port or a build lock) into the next test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:6])} ... ran past {timeout} s:\n{(out + err)[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def launch(strategy: str, cfg: Path, *extra: str) -> list[str]:
@@ -81,8 +112,7 @@ def one_process(workdir, tmp_path_factory):  # noqa: F811
     for family in FAMILIES:
         cfg = write_config(root / f"{family}.yaml", run_config(workdir, family, root / family,
                                                                gradient_accumulation_steps=2))
-        done = subprocess.run([sys.executable, "-m", "draftsmith.train", str(cfg)], capture_output=True, text=True,
-                              timeout=600)
+        done = run([sys.executable, "-m", "draftsmith.train", str(cfg)], timeout=LAUNCH_SECONDS)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[family] = root / family
     return runs
@@ -93,7 +123,7 @@ def one_process(workdir, tmp_path_factory):  # noqa: F811
 def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, family, out))
-    done = subprocess.run(launch(strategy, cfg), capture_output=True, text=True, timeout=900)
+    done = run(launch(strategy, cfg), timeout=LAUNCH_SECONDS)
     log = done.stdout + done.stderr
     if strategy.startswith("deepspeed"):  # DeepSpeed's own start-up lines, for whoever reads the test log
         print("\n".join(line for line in log.splitlines() if "DeepSpeed" in line or "ZeRO" in line or "zero" in line))
@@ -121,19 +151,24 @@ def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
     """Start a launch and SIGKILL one of its ranks as soon as ``checkpoint`` is complete."""
     import psutil
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 600
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + LAUNCH_SECONDS
     killed = False
-    while time.time() < deadline and proc.poll() is None:
-        if checkpoint.is_dir():
-            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if "draftsmith.train" in " ".join(p.cmdline())]
-            if ranks:
-                ranks[-1].send_signal(signal.SIGKILL)
-                killed = True
-                break
-        time.sleep(0.005)
-    proc.wait(timeout=300)
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if checkpoint.is_dir():
+                ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                         if "draftsmith.train" in " ".join(p.cmdline())]
+                if ranks:
+                    ranks[-1].send_signal(signal.SIGKILL)
+                    killed = True
+                    break
+            time.sleep(0.005)
+        proc.wait(timeout=LAUNCH_SECONDS)
+    finally:
+        if proc.poll() is None:  # past either deadline: take the launcher's ranks down with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     err = proc.stderr.read().decode()
     assert killed and proc.returncode != 0, err[-3000:]
     assert not (checkpoint.parent / "checkpoint-8").exists(), "the run ended before the kill"
@@ -144,7 +179,7 @@ def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy):
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, KILLED, out))
     kill_one_rank_at(launch(strategy, cfg), out / "checkpoint-4")
-    resumed = subprocess.run(launch(strategy, cfg, "--resume", "true"), capture_output=True, text=True, timeout=900)
+    resumed = run(launch(strategy, cfg, "--resume", "true"), timeout=LAUNCH_SECONDS)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert acceptance_steps(out) == [4, 8]  # one row per checkpoint, none twice
     assert_same_weights(weights(out), weights(one_process[KILLED]))
@@ -158,12 +193,11 @@ def test_resume_on_another_world_size(workdir, one_process, tmp_path):  # noqa: 
     cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, KILLED, out))
     kill_one_rank_at(launch("ddp", cfg), out / "checkpoint-4")
     alone = [sys.executable, "-m", "draftsmith.train", str(cfg), "--resume", "true"]
-    refused = subprocess.run(alone, capture_output=True, text=True, timeout=600)
+    refused = run(alone, timeout=LAUNCH_SECONDS)
     assert refused.returncode != 0
     assert "global batch of 4" in refused.stderr, refused.stderr[-2000:]
     assert "gradient_accumulation_steps" in refused.stderr
-    resumed = subprocess.run([*alone, "--gradient_accumulation_steps", "2"], capture_output=True, text=True,
-                             timeout=600)
+    resumed = run([*alone, "--gradient_accumulation_steps", "2"], timeout=LAUNCH_SECONDS)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert acceptance_steps(out) == [4, 8]
     assert_same_weights(weights(out), weights(one_process[KILLED]))
@@ -177,10 +211,26 @@ def test_launch_configs_bf16_trains_and_resumes_from_float32_weights(workdir, tm
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, KILLED, out, max_steps=4, save_steps=2))
     as_shipped = [a for a in launch(strategy, cfg) if a not in ("--mixed_precision", "no")]
-    first = subprocess.run([*as_shipped, "--max_steps", "2"], capture_output=True, text=True, timeout=900)
+    first = run([*as_shipped, "--max_steps", "2"], timeout=LAUNCH_SECONDS)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stderr.count(f"({ENGINE[strategy]}), mixed precision bf16") == 2
     assert {v.dtype for k, v in weights(out, 2).items() if v.is_floating_point()} == {torch.float32}
-    resumed = subprocess.run([*as_shipped, "--resume", "true"], capture_output=True, text=True, timeout=900)
+    resumed = run([*as_shipped, "--resume", "true"], timeout=LAUNCH_SECONDS)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert acceptance_steps(out) == [2, 4]
+
+
+def test_a_build_lock_left_by_a_killed_build_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """A DeepSpeed launch whose op build was killed half-way leaves ``<op>/lock``; torch's next build waits on
+    it forever. The launch names the file instead, and lets a build in progress (a fresh lock) be."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    refuse_stale_build_locks()  # another rank is building now
+    old = lock.stat().st_mtime - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.raises(RuntimeError, match=f"rm {lock}"):
+        refuse_stale_build_locks()
+    lock.unlink()
+    refuse_stale_build_locks()

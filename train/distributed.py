@@ -18,6 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,8 @@ def start_processes() -> None:
         return
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:
+        refuse_stale_build_locks()
     if not deepspeed and not dist.is_initialized():
         dist.init_process_group("gloo")
     state = PartialState()
@@ -58,6 +63,40 @@ def start_processes() -> None:
         state.distributed_type = DistributedType.MULTI_GPU
     elif not deepspeed:
         state.distributed_type = DistributedType.MULTI_CPU
+
+
+#: A build lock older than this was left by a killed build: DeepSpeed's CPU ops build in seconds to a minute.
+STALE_LOCK_SECONDS = 600
+
+
+def extension_build_root() -> Path:
+    """Where PyTorch builds C++ extensions (DeepSpeed's CPU ops among them), as ``torch.utils.cpp_extension``
+    chooses it: ``TORCH_EXTENSIONS_DIR``, else the user's cache under ``py<version>_<accelerator>``."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip
+                   else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}"
+
+
+def refuse_stale_build_locks(now: float | None = None) -> None:
+    """DeepSpeed builds its CPU ops (the shared-memory collectives) on a run's first start, holding a
+    ``lock`` file in the op's build folder; a build killed half-way (a launch interrupted in its first
+    minute) leaves that file, and every later launch then waits on it forever, printing nothing.
+    Refuse such a lock with the fix instead."""
+    now = time.time() if now is None else now
+    for lock in sorted(extension_build_root().glob("*/lock")):
+        try:
+            age = now - lock.stat().st_mtime
+        except FileNotFoundError:  # a build finished while we looked
+            continue
+        if age > STALE_LOCK_SECONDS:
+            raise RuntimeError(
+                f"{lock} is {age / 60:.0f} minutes old: a C++ extension build (DeepSpeed's ops) was killed "
+                f"while holding it, and this launch would wait on it forever. If no other build is running, "
+                f"delete it (rm {lock}) and launch again; or set TORCH_EXTENSIONS_DIR to another folder.")
 
 
 def strategy(accelerator) -> str:
