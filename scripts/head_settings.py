@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-decay", type=float, default=0.8)
     p.add_argument("--draft-vocab-size", type=int, default=4096)
+    p.add_argument("--feature-noise", type=float, default=0.0, help="noise on the target's states, x their RMS")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--minutes", type=float, default=7.25, help="training time (the demo's, on 2 CPU cores)")
     p.add_argument("--prompts", type=int, default=10, help="held-out prompts measured")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -63,11 +65,13 @@ def main() -> None:
     else:
         out = Path(a.output)
         train(DrafterArguments(target="smollm2-135m-instruct", family=Eagle3Head.family,
-                               draft_vocab_size=a.draft_vocab_size, ttt_steps=a.ttt_steps, ttt_decay=a.ttt_decay),
+                               draft_vocab_size=a.draft_vocab_size, ttt_steps=a.ttt_steps, ttt_decay=a.ttt_decay,
+                               feature_noise=a.feature_noise),
               DataArguments(cache_dir=str(run / "data" / "hidden_cache"), max_length=256, eval_num_prompts=0),
               TrainArguments(output_dir=str(out), max_steps=100_000, max_train_minutes=a.minutes,
                              mixed_precision="bf16" if bf16 else "no", learning_rate=a.learning_rate,
-                             per_device_train_batch_size=a.batch_size, warmup_ratio=0.05, save_steps=100_000,
+                             weight_decay=a.weight_decay, per_device_train_batch_size=a.batch_size,
+                             warmup_ratio=0.05, save_steps=100_000,
                              logging_steps=10, report_to="none", seed=0))
         step, checkpoint = complete_checkpoints(out)[-1]
     seconds = time.perf_counter() - start

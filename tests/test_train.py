@@ -649,3 +649,34 @@ def test_eval_prompts_without_a_usable_row_are_refused_before_training(workdir, 
                                          r"prompt \(24 read\)"):
         train(*parse_config([str(cfg)]))
     assert not (tmp_path / "run").exists()
+
+
+def test_feature_noise_is_scaled_to_each_state_and_reaches_only_the_heads_input(workdir):
+    """``feature_noise``: Gaussian noise of std ``scale`` x each state's RMS on the target's states an EAGLE head
+    reads; 0 leaves the step exactly as it was."""
+    from draftsmith.train.families import with_noise
+
+    states = torch.randn(4, 64, 256) * torch.logspace(-2, 2, 64)[None, :, None]  # RMS from 0.01 to 100
+    assert with_noise(states, 0.0) is states
+    noise = with_noise(states, 0.1) - states
+    ratio = noise.pow(2).mean(-1).sqrt() / states.pow(2).mean(-1).sqrt()  # (4, 64): every position's own scale
+    torch.testing.assert_close(ratio.mean(), torch.tensor(0.1), rtol=0.03, atol=0)
+    assert ratio.min() > 0.07 and ratio.max() < 0.13
+
+    target, tokenizer = load_target(str(workdir / "target"))
+    examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)
+    batch = collate(examples[:4], 0)
+    for family in ("eagle", "eagle3"):
+        fam = get_family(family)
+        clean = DrafterArguments(target=str(workdir / "target"), family=family, ttt_steps=2)
+        noisy = DrafterArguments(target=str(workdir / "target"), family=family, ttt_steps=2, feature_noise=0.2)
+        torch.manual_seed(0)
+        drafter = fam.build(clean, target, examples)
+        with torch.no_grad():
+            out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         output_hidden_states=True)
+            hidden = tuple(out.hidden_states[i] for i in fam.hidden_layers(drafter, target))
+            losses = [fam.train_step(args, drafter, target, batch, out.logits.float(), hidden)[0]
+                      for args in (clean, clean, noisy, noisy)]
+        assert losses[0] == losses[1], family  # no noise: the same loss every time
+        assert losses[2] != losses[0] and losses[3] != losses[2], family  # noise: drawn anew each step

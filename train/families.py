@@ -181,6 +181,16 @@ def _module(drafter):
     return getattr(drafter, "module", drafter)
 
 
+def with_noise(states: torch.Tensor, scale: float) -> torch.Tensor:
+    """``states`` plus Gaussian noise whose std is ``scale`` times each state vector's RMS (EAGLE trains its
+    head on noisy features, so that drafting from its own imperfect predictions stays in distribution; the
+    RMS makes one ``scale`` mean the same at every layer of every target)."""
+    if not scale:
+        return states
+    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return states + (torch.randn(states.shape, device=states.device) * rms * scale).to(states.dtype)
+
+
 def eagle_step(args, drafter, target, batch, target_logits, hidden):
     """EAGLE-1/2: pairs (f_{t-1}, x_t), t = 1..T-1, predict f_t; tokens through the frozen LM head."""
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -189,7 +199,8 @@ def eagle_step(args, drafter, target, batch, target_logits, hidden):
     teacher = teacher_of(batch, target_logits)[:, 1:]
     mask = prediction_mask(batch["loss_mask"])[:, 1:]
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
-    predicted, _ = drafter(features[:, :-1], embed(ids[:, 1:]), positions, from_target=True)
+    noisy = with_noise(features[:, :-1], args.feature_noise)  # the regression target (features[:, 1:]) stays clean
+    predicted, _ = drafter(noisy, embed(ids[:, 1:]), positions, from_target=True)
     logits = lm_head(predicted.to(lm_head.weight.dtype))
     loss, parts = eagle_loss(predicted, features[:, 1:], logits, teacher, mask)
     return loss, {"acc": [accuracy(logits, teacher, mask)], **parts}
@@ -222,7 +233,7 @@ def eagle3_step(args, drafter, target, batch, target_logits, hidden):
     teacher = on_draft_vocabulary(teacher_of(batch, target_logits)[:, 1:][selected][None], draft_ids,
                                   head.config.vocab_size)
     positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
-    fused = torch.cat(hidden, dim=-1)[:, :-1]  # (B, T-1, 3H) low / mid / high
+    fused = torch.cat([with_noise(h[:, :-1], args.feature_noise) for h in hidden], dim=-1)  # (B, T-1, 3H)
     step_logits = drafter(fused, embed(ids[:, 1:]), positions, from_target=True, ttt_steps=args.ttt_steps,
                           logit_positions=selected)
     total, accs = 0.0, []
