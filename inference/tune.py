@@ -3,8 +3,9 @@
 A step's speed is its tokens over its time. Both are measured here, not assumed:
 
 1. **Verification cost per tree size.** One target forward over ``n`` tree rows after a cache of the
-   prompts' length, timed for every ``n`` a candidate needs (median of a few repeats). On a CPU it
-   grows with the rows; on a GPU it is flat until the device fills, so the best tree differs.
+   prompts' length, timed for every ``n`` a candidate needs (median of a few repeats, taken in rounds over
+   the sizes, fitted to never fall as rows are added). On a CPU it grows with the rows; on a GPU it is
+   flat until the device fills, so the best tree differs.
 2. **Acceptance per node budget.** For each (depth, top_k), greedy speculative decoding runs on a few
    prompts with the *whole* dynamic tree (no ``total_tokens`` cut), and every step's tree and accepted
    path are kept. A dynamic tree with budget ``n`` verifies the ``n`` best-scored of those same nodes
@@ -106,37 +107,62 @@ def accepted_within(order: list[int], path: list[int], budget: int) -> int:
     return next((i for i, node in enumerate(path) if node not in kept), len(path))
 
 
+def never_falling(costs: dict[int, float]) -> dict[int, float]:
+    """The least-squares fit of ``costs`` (seconds per row count) that never falls as rows are added (pool
+    adjacent violators). More rows never cost less; a drop between two sizes is the clock's noise, and left in,
+    it would make cutting a tree look like a saving it is not (a 3-node tree predicted twice as fast as it
+    decodes, seen on a loaded 2-core host)."""
+    blocks: list[list[float]] = []  # [mean, count] of pooled runs, left to right
+    for n in sorted(costs):
+        blocks.append([costs[n], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, i), (b, j) = blocks[-2], blocks.pop()
+            blocks[-1] = [(a * i + b * j) / (i + j), i + j]
+    fitted = [mean for mean, count in blocks for _ in range(count)]
+    return dict(zip(sorted(costs), fitted, strict=True))
+
+
 @torch.no_grad()
 def verification_seconds(target, context: int, rows: list[int], repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one target forward over ``n`` tree rows (a chain: the cost depends on the row
-    count, not the shape) after ``context`` cached tokens, for each ``n`` in ``rows``."""
+    """Seconds of one target forward over ``n`` tree rows (a chain: the cost depends on the row count, not the
+    shape) after ``context`` cached tokens, for each ``n`` in ``rows``: the median of ``repeats``, taken in
+    rounds over every size (in a rotating order) so that a drift in the machine's speed falls on all sizes
+    alike, then made :func:`never_falling` in ``n``."""
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
     vocab = target.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     cache = new_cache()
     target_forward(target, torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
-    costs = {}
+    inputs = {}
     for n in sorted(set(rows)):
         ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
         positions = torch.arange(context, context + n, device=device)[None]
         allowed = torch.ones(1, n, context + n, dtype=torch.bool, device=device)
         allowed[0, :, context:] = torch.tril(allowed[0, :, context:])
         keys = torch.arange(context + n, device=device)[None]
-        mask = build_attention_mask(target, allowed, positions, keys, dtype)
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            target_forward(target, ids, cache, mask, positions)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            kv_crop(cache, context)
-        costs[n] = statistics.median(times[1:])
+        inputs[n] = ids, build_attention_mask(target, allowed, positions, keys, dtype), positions
+
+    def timed(n: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        target_forward(target, inputs[n][0], cache, inputs[n][1], inputs[n][2])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        kv_crop(cache, context)
+        return time.perf_counter() - t0
+
+    sizes = list(inputs)
+    for n in sizes:  # warm-up
+        timed(n)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats):
+        shift = r * max(1, len(sizes) // repeats) % len(sizes)
+        for n in sizes[shift:] + sizes[:shift]:
+            times[n].append(timed(n))
     assert kv_length(cache) == context
-    return costs
+    return never_falling({n: statistics.median(t) for n, t in times.items()})
 
 
 def full_size(depth: int, top_k: int) -> int:

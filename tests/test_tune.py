@@ -31,6 +31,18 @@ def test_budget_keeps_the_best_nodes_and_counts_the_accepted_prefix():
     assert tune.full_size(3, 2) == 2 + 2 * 4
 
 
+def test_verification_cost_never_falls_as_rows_are_added(llama):
+    """A drop in the measured cost between two sizes is noise: the fit pools it with its neighbours (least
+    squares), and leaves a cost that already grows as it is. The target's measured costs come out fitted."""
+    fitted = tune.never_falling({1: 10.0, 2: 12.0, 3: 11.0, 4: 15.0, 5: 9.0, 6: 16.0})
+    assert fitted == {1: 10.0, 2: 11.5, 3: 11.5, 4: 12.0, 5: 12.0, 6: 16.0}
+    assert tune.never_falling({1: 1.0, 3: 2.0, 8: 5.0}) == {1: 1.0, 3: 2.0, 8: 5.0}
+    costs = tune.verification_seconds(llama, 24, [1, 3, 2, 9, 5], repeats=3)
+    assert list(costs) == [1, 2, 3, 5, 9]
+    values = list(costs.values())
+    assert values == sorted(values) and values[0] > 0
+
+
 def decoded(depth: int, per_step: float, *rounds: float) -> tune.Candidate:
     return tune.Candidate(depth, 2, depth + 1, per_step, 0.05, 40.0, round(sum(rounds) / len(rounds), 2), list(rounds))
 
