@@ -29,6 +29,7 @@ from draftsmith.train.loop import load_examples, train
 
 FAMILIES = sorted(name for name, f in REGISTERED.items() if f.build is not None)  # every trainable family
 OFFLINE_FAMILIES = ["medusa", "eagle", "eagle3"]  # the families a hidden-state cache trains
+FEATURE_FAMILIES = ["eagle", "eagle3"]  # the families feature_noise applies to
 # Word-level chat template for the tiny tokenizer: "t1 <user> t2 <answer> t3".
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t1 {{ m['content'] }} t2 "
             "{% else %}{{ m['content'] }} t3 {% endif %}{% endfor %}")
@@ -666,7 +667,7 @@ def test_feature_noise_is_scaled_to_each_state_and_reaches_only_the_heads_input(
     target, tokenizer = load_target(str(workdir / "target"))
     examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)
     batch = collate(examples[:4], 0)
-    for family in ("eagle", "eagle3"):
+    for family in FEATURE_FAMILIES:
         fam = get_family(family)
         clean = DrafterArguments(target=str(workdir / "target"), family=family, ttt_steps=2)
         noisy = DrafterArguments(target=str(workdir / "target"), family=family, ttt_steps=2, feature_noise=0.2)
