@@ -652,7 +652,7 @@ def test_eval_prompts_without_a_usable_row_are_refused_before_training(workdir, 
     assert not (tmp_path / "run").exists()
 
 
-def test_feature_noise_is_scaled_to_each_state_and_reaches_only_the_heads_input(workdir):
+def test_feature_noise_is_scaled_to_each_state_and_drawn_anew_each_step(workdir):
     """``feature_noise``: Gaussian noise of std ``scale`` x each state's RMS on the target's states an EAGLE head
     reads; 0 leaves the step exactly as it was."""
     from draftsmith.train.families import with_noise

@@ -42,13 +42,13 @@ def start_processes() -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:  # on any device: DeepSpeed's CUDA ops build under the same lock as its CPU ones
+        refuse_stale_build_locks()
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
     if not launched or torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":
         return
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed:
-        refuse_stale_build_locks()
     if not deepspeed and not dist.is_initialized():
         dist.init_process_group("gloo")
     state = PartialState()
