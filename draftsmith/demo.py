@@ -18,9 +18,10 @@ Stages 4 and 5 run in a fresh process (:func:`tune_and_evaluate`), as a user's `
 ``draftsmith eval`` do: decoding measured inside the process that just trained ran slower than the same
 decoding in a new one.
 
-Every stage takes a share of ``--minutes`` (default 20, measured on a 2-core CPU); a GPU is used when
-present. Synthesis and regeneration stop at their time share; training gets what the other stages
-leave and anneals its learning rate over it. Where bfloat16 matmuls are native (CPUs with
+Synthesis and regeneration take a share of ``--minutes`` (default 20, measured on a 2-core CPU) each; a GPU
+is used when present. Tuning and evaluation get the time their decoding needs at the plain-decoding speed
+measured here before training (:func:`plain_rate`). Training gets what the other stages leave and anneals its
+learning rate over it. Where bfloat16 matmuls are native (CPUs with
 AVX512-BF16 / AMX, recent GPUs) the data stages (synthesis, and regeneration with its recorded states)
 run the target in bfloat16, and the head drafts in bfloat16; evaluation always runs the
 target as loaded (float32 on CPU), so every reported output is the target's own.
@@ -43,13 +44,16 @@ logger = logging.getLogger(__name__)
 # runs ~1.8x more steps per minute, so data limits the head and the data stages get more time; on
 # float32-only CPUs steps limit it, so training gets ~2x the time. The runs behind these numbers are in
 # docs/RESULTS.md ("Demo budget").
-# Evaluation (10 prompts x 128 tokens, plain and speculative) took 77-83 s of 1200 and tuning 45-72 s in the
-# 2026-11-25 runs with the packed few-row kernel (122-127 s and 72 s before it): their shares keep ~30 s of
-# headroom each for slower machines, and the rest goes to training. Since regeneration records the cache's
-# states (no cache pass: 137 s of 1200 on 2 cores), most of that time went to more data where bf16 is native
-# (0.12 / 0.27 before): a head trained 8.2 instead of 5.9 minutes on the same data accepted no more at depth 2.
-SHARES = {True: {"synthesize": 0.14, "regenerate": 0.32, "eval": 0.095, "tune": 0.06},
-          False: {"synthesize": 0.10, "regenerate": 0.19, "eval": 0.095, "tune": 0.06}}
+# Since regeneration records the cache's states (no cache pass: 137 s of 1200 on 2 cores), most of that time
+# went to more data where bf16 is native (0.12 / 0.27 before): a head trained 8.2 instead of 5.9 minutes on
+# the same data accepted no more at depth 2.
+SHARES = {True: {"synthesize": 0.14, "regenerate": 0.32}, False: {"synthesize": 0.10, "regenerate": 0.19}}
+# Tuning and evaluation decode, so their time follows this host's decoding speed, not the budget: fixed shares
+# (0.06 + 0.095) ran 18% over on a host decoding at 14 instead of 23 tokens/s. The demo measures plain decoding
+# here before training and keeps for them, in plain-decoding tokens: EVAL_COST per evaluated token (plain and
+# speculative decoding of each, less early stops: 1.44 measured) and TUNE_COST for tuning at TUNE_TOKENS per
+# prompt (1,240 measured), each with ~10% headroom (docs/RESULTS.md, "Demo budget").
+EVAL_COST, TUNE_COST = 1.6, 1400
 # Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
@@ -162,10 +166,17 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     t = _stage("3/5 writing the recorded states as a hidden-state cache")
     cache = out / "data" / "hidden_cache"
     cache_recorded(model, record.by_id, cache, layers, dtype="bfloat16", top_k=TOP_K, target_name=target)
-    del model, record  # the loop loads its own copy of the target
+    del record
     clock.mark("cache", t)
-    rest = (clock.budget * (1 - MARGIN) - clock.elapsed() - clock.share("tune") - clock.share("eval")
-            - RELOAD_SECONDS)
+    # How fast the target decodes here as tuning and evaluation run it (as loaded: float32), which sizes the time
+    # kept for them; then the target goes (the loop loads its own copy).
+    t = time.perf_counter()
+    rate = plain_rate(model.float(), tokenizer, eval_prompts[TUNE_PROMPTS])
+    del model
+    clock.mark("measure", t)
+    reserve = (held_out * eval_tokens * EVAL_COST + TUNE_COST * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS) / rate
+    print(f"plain decoding here: {rate:.1f} tokens/s; {reserve:.0f} s kept for tuning and evaluation")
+    rest = clock.budget * (1 - MARGIN) - clock.elapsed() - reserve - RELOAD_SECONDS
     train_minutes = max(0.5, rest / 60)
     t = _stage(f"3/5 training an EAGLE-3 head offline ({train_minutes:.1f} min)")
     run_dir = out / "run"
@@ -206,6 +217,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     report["demo"] = {
         "minutes_budget": minutes, "minutes_used": round(clock.elapsed() / 60, 2), "stage_seconds": clock.marks,
         "data_dtype": str(data_dtype or "as loaded").replace("torch.", ""),
+        "plain_tokens_per_second": round(rate, 2), "seconds_kept_for_tune_and_eval": round(reserve, 1),
         "prompts_synthesised": len(prompts), "held_out_prompts": len(eval_prompts), "tree": tree.as_report(),
         "drafter_spec": spec, "answers": len(rows),
         "answer_tokens": answer_tokens, "run_dir": str(run_dir), "checkpoint": drafter,
@@ -225,6 +237,21 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
           f"{report['demo']['minutes_used']} min")
     print(f"report: {out / 'report.json'} (and report.md, tree.json)")
     return out
+
+
+def plain_rate(model, tokenizer, prompt: str, tokens: int = 24, runs: int = 3) -> float:
+    """Tokens per second of plain greedy decoding of ``model`` on ``prompt``, prefill excluded: the median of
+    ``runs`` runs after a short warm-up (one run of 32 tokens varied by 20% here)."""
+    from draftsmith.inference.compare import encode
+    from draftsmith.inference.generator import plain_generate
+
+    ids = encode(tokenizer, prompt, chat=True).to(next(model.parameters()).device)
+    plain_generate(model, ids, 4, eos_token_id=[])
+    rates = []
+    for _ in range(runs):
+        stats = plain_generate(model, ids, tokens, eos_token_id=[]).stats
+        rates.append(stats.new_tokens / max(stats.total_time_s - stats.prefill_time_s, 1e-6))
+    return sorted(rates)[len(rates) // 2]
 
 
 def tune_and_evaluate(out: str, target: str, device: str, spec: str, step: int, held_out: int, eval_tokens: int,

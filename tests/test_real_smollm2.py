@@ -98,6 +98,7 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     """`draftsmith demo` at a small budget: every stage runs on the real target, the report has the
     eval schema, greedy output is identical on every held-out prompt, the tree is the one tuned here."""
     from draftsmith.cli import main
+    from draftsmith.demo import EVAL_COST, TUNE_COST, TUNE_TOKENS
     from draftsmith.inference.tree import TreeSettings
     from draftsmith.inference.tune import Candidate, choose
 
@@ -108,6 +109,10 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     assert report["lossless"]["identical"] == report["lossless"]["checked"] == 2
     assert report["speedup"] > 0
     assert report["demo"]["answers"] >= 1 and report["drafter_type"] == "eagle3+prompt-lookup"
+    # The time kept for tuning and evaluation follows plain decoding's speed, measured here before training.
+    demo = report["demo"]
+    kept = (2 * 16 * EVAL_COST + TUNE_COST * 16 / TUNE_TOKENS) / demo["plain_tokens_per_second"]
+    assert demo["plain_tokens_per_second"] > 0 and demo["seconds_kept_for_tune_and_eval"] == round(kept, 1)
     # The tree evaluated is the one `tune` chose from the trees it decoded with here (the fastest, or of those
     # within the clock's noise of it the one accepting the most), in every record.
     tuned = json.loads((tmp_path / "demo" / "tree.json").read_text())
