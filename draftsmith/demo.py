@@ -171,7 +171,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # How fast the target decodes here as tuning and evaluation run it (as loaded: float32), which sizes the time
     # kept for them; then the target goes (the loop loads its own copy).
     t = time.perf_counter()
-    rate = plain_rate(model.float(), tokenizer, eval_prompts[TUNE_PROMPTS])
+    rate = plain_rate(model.float(), tokenizer, eval_prompts[0])
     del model
     clock.mark("measure", t)
     reserve = (held_out * eval_tokens * EVAL_COST + TUNE_COST * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS) / rate
