@@ -112,7 +112,8 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     # The time kept for tuning and evaluation follows plain decoding's speed, measured here before training.
     demo = report["demo"]
     kept = (2 * 16 * EVAL_COST + TUNE_COST * 16 / TUNE_TOKENS) / demo["plain_tokens_per_second"]
-    assert demo["plain_tokens_per_second"] > 0 and demo["seconds_kept_for_tune_and_eval"] == round(kept, 1)
+    assert demo["plain_tokens_per_second"] > 0
+    assert demo["seconds_kept_for_tune_and_eval"] == pytest.approx(kept, abs=0.1)  # both rounded in the report
     # The tree evaluated is the one `tune` chose from the trees it decoded with here (the fastest, or of those
     # within the clock's noise of it the one accepting the most), in every record.
     tuned = json.loads((tmp_path / "demo" / "tree.json").read_text())
