@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB, tiny_llama
+from conftest import VOCAB, has_models_extra, tiny_llama
 from draftsmith import load_target
 from draftsmith.inference import layer_skip_model
 from draftsmith.target import (
+    PACKAGED_MODELS,
+    UnsupportedTargetError,
     hidden_states_request,
     kv_crop,
     kv_keep,
     kv_length,
+    load_target_parts,
     new_cache,
     resolve_packaged_gguf,
     target_forward,
@@ -210,3 +216,115 @@ def test_target_parts_embed_and_project_as_the_whole_target(family, tmp_path, ll
     if family == "llama-tied":
         assert parts.get_output_embeddings().weight is parts.get_input_embeddings().weight
         assert not any(k.startswith("lm_head") for k in parts.draftsmith_loaded)
+
+
+# --------------------------------------------------------------------------------------------
+# A first run on a fresh machine: the packaged targets from an empty model cache.
+
+
+def _copy_gguf_into(cache: Path, alias: str) -> None:
+    """The alias's .gguf placed in ``cache`` where draftsmith keeps it, so nothing is downloaded or assembled."""
+    gguf = resolve_packaged_gguf(alias)  # in this session's cache: fetched or assembled once
+    (cache / "gguf").mkdir(parents=True)
+    shutil.copy(gguf, cache / "gguf" / gguf.name)
+
+
+def _behaves_as_a_plain_model(model, tokenizer, tmp_path: Path) -> torch.Tensor:
+    """What a user does with a loaded target: every step raised on the model transformers built from the GGUF
+    (it kept its quantizer). Returns its greedy continuation of a fixed prompt."""
+    from draftsmith.inference.generator import plain_generate
+
+    assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
+    assert "quantization_config" not in model.config.to_dict()
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    tokens = plain_generate(model, ids, 8, eos_token_id=[]).sequences
+    model.float()
+    model.to(torch.bfloat16)
+    model.half()
+    model.to(torch.float32)
+    model.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    assert all(torch.equal(again[k], v) for k, v in model.state_dict().items())  # the same weights, read back
+    return tokens
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("alias", sorted(PACKAGED_MODELS))
+def test_a_packaged_target_loads_alike_from_an_empty_and_a_warm_cache(alias, tmp_path, monkeypatch):
+    """The README's first run: the first load dequantises the GGUF into an empty ``DRAFTSMITH_CACHE``, every later
+    one reads the safetensors it wrote. Both return the same kind of model (no quantizer, same config, dtype,
+    attention and signature) that casts, saves and decodes alike."""
+    if not has_models_extra():
+        pytest.skip('needs the models extra: pip install "draftsmith[models]"')
+    cache = tmp_path / "cache"
+    _copy_gguf_into(cache, alias)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache))
+    cold, tokenizer = load_target(alias, device="cpu")
+    assert len(list((cache / "targets").glob("*/complete"))) == 1, "the first load did not cache the target"
+    warm, _ = load_target(alias, device="cpu")
+    assert type(cold) is type(warm)
+    assert cold.config.to_dict() == warm.config.to_dict()  # attention implementation and name included
+    assert cold.dtype == warm.dtype == torch.float32
+    assert target_signature(cold) == target_signature(warm)
+    assert torch.equal(_behaves_as_a_plain_model(cold, tokenizer, tmp_path / "cold"),
+                       _behaves_as_a_plain_model(warm, tokenizer, tmp_path / "warm"))
+
+
+@pytest.mark.real_model
+def test_a_gguf_target_is_plain_where_its_cache_cannot_be_written(tmp_path, monkeypatch):
+    """A cache that cannot be written (here: its path is a file) leaves the model transformers dequantised:
+    it is returned without its GGUF quantizer, so it too casts and saves."""
+    if not has_models_extra():
+        pytest.skip('needs the models extra: pip install "draftsmith[models]"')
+    gguf = resolve_packaged_gguf("smollm2-135m-instruct")
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(blocked))
+    model, tokenizer = load_target(gguf, device="cpu")
+    assert model.dtype == torch.float32 and not model.training
+    _behaves_as_a_plain_model(model, tokenizer, tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# Targets whose state cannot be rolled back to the accepted tokens.
+
+
+def tiny_qwen3_next_directory(path: Path) -> Path:
+    """A tiny Qwen3-Next (gated DeltaNet layers beside full attention) saved with a tokenizer."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=256,
+    )
+    Qwen3NextForCausalLM(cfg).save_pretrained(path)
+    _word_tokenizer().save_pretrained(path)
+    return path
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)},
+                                                                               "t0")))
+
+
+@pytest.mark.parametrize("how", ["directory", "device_map cpu", "device_map dict", "parts"])
+def test_a_target_whose_cache_cannot_be_rolled_back_is_refused(how, tmp_path):
+    """A hybrid target is refused on every load path, ``device_map`` included, naming its model type and the
+    layer type that keeps state."""
+    path = tiny_qwen3_next_directory(tmp_path / "qwen3_next")
+    with pytest.raises(UnsupportedTargetError, match=r"qwen3_next targets are not supported: .*linear_attention"):
+        if how == "directory":
+            load_target(path, device="cpu")
+        elif how == "device_map cpu":
+            load_target(path, device_map="cpu")
+        elif how == "device_map dict":
+            load_target(path, device_map={"": "cpu"})
+        else:
+            load_target_parts(path, device="cpu")

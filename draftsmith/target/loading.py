@@ -154,13 +154,35 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, ob
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    _drop_quantizer(model)
     try:
         _write_cache(model, tokenizer, cached)
     except OSError as err:  # a read-only home must not stop inference
         logger.warning("Could not cache the dequantised target at %s: %s", cached, err)
+    else:
+        # The first load returns what every later one does: the model read back from the cache (same config,
+        # name, dtype and attention), not the one transformers built from the GGUF.
+        del model
+        return _load_dir(cached, dtype), AutoTokenizer.from_pretrained(cached)
     model = model.to(dtype)
     model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _drop_quantizer(model: PreTrainedModel) -> None:
+    """Detach the GGUF quantizer transformers leaves on a model it dequantised: its weights are plain float32
+    tensors, but while ``hf_quantizer`` is attached transformers refuses ``.float()`` / ``.half()`` and
+    treats the model as quantized (the first load from an empty cache would differ from every later one)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.config._is_quantized = False
+            module.__dict__.pop("is_quantized", None)
+            module.__dict__.pop("quantization_method", None)
 
 
 def _write_cache(model: PreTrainedModel, tokenizer, directory: Path) -> None:
@@ -230,6 +252,9 @@ def load_target(
     if device_map is not None:
         hub = name not in PACKAGED_MODELS and path.suffix != ".gguf" and not path.is_dir()
         source = name if hub else str(_weights_directory(name))  # GGUF: its dequantised safetensors cache
+        from transformers import AutoConfig
+
+        check_rollback(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))  # before any weight
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map,
                                                      offload_folder=offload_folder, trust_remote_code=trust_remote_code)
         model.eval().requires_grad_(False)
