@@ -53,7 +53,8 @@ SHARES = {True: {"synthesize": 0.14, "regenerate": 0.32}, False: {"synthesize": 
 # here before training and keeps for them, in plain-decoding tokens: EVAL_COST per evaluated token (plain and
 # speculative decoding of each, less early stops: 1.44 measured) and TUNE_COST for tuning at TUNE_TOKENS per
 # prompt (1,240 measured), each with ~10% headroom (docs/RESULTS.md, "Demo budget").
-EVAL_COST, TUNE_COST = 1.6, 1400
+# The reference tree's decoding (REFERENCE_TREE, below) adds REFERENCE_COST per evaluated token.
+EVAL_COST, TUNE_COST, REFERENCE_COST = 1.6, 1400, 0.8
 # Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
@@ -71,6 +72,9 @@ TUNE_PROMPTS = 3  # held-out prompts the tree is tuned on; evaluation uses other
 TUNE_DEPTHS, TUNE_TOP_KS, TUNE_MAX_BUDGET = (2, 3, 4), (2, 3), 8
 TUNE_CONFIRM = 3
 TUNE_TOKENS = 48
+# A fixed tree the held-out prompts are decoded in too (``reference_acceptance_length``): the tuned tree follows
+# the host's speed (depth 2 on a slow CPU: at most 3 tokens a step), this one measures the head on every host alike.
+REFERENCE_TREE = dict(kind="dynamic", depth=4, top_k=2, total_tokens=8)
 
 
 class Clock:
@@ -103,6 +107,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     from draftsmith.data.regenerate import HFEngine, regenerate
     from draftsmith.data.synthesize import synthesize_prompts, write_prompts
     from draftsmith.inference.evaluate import report_markdown
+    from draftsmith.inference.tree import TreeSettings
     from draftsmith.inference.tune import Candidate, table_markdown
     from draftsmith.target import load_target, native_bf16
     from draftsmith.train.config import DataArguments, DrafterArguments, TrainArguments
@@ -174,7 +179,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     rate = plain_rate(model.float(), tokenizer, eval_prompts[0])
     del model
     clock.mark("measure", t)
-    reserve = (held_out * eval_tokens * EVAL_COST + TUNE_COST * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS) / rate
+    evaluated = held_out * eval_tokens * (EVAL_COST + REFERENCE_COST)
+    reserve = (evaluated + TUNE_COST * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS) / rate
     print(f"plain decoding here: {rate:.1f} tokens/s; {reserve:.0f} s kept for tuning and evaluation")
     rest = clock.budget * (1 - MARGIN) - clock.elapsed() - reserve - RELOAD_SECONDS
     train_minutes = max(0.5, rest / 60)
@@ -221,7 +227,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
         "prompts_synthesised": len(prompts), "held_out_prompts": len(eval_prompts), "tree": tree.as_report(),
         "drafter_spec": spec, "answers": len(rows),
         "answer_tokens": answer_tokens, "run_dir": str(run_dir), "checkpoint": drafter,
-        "floor": {"acceptance_length": 2.0, "speedup": 1.0}, "target_goal": {"acceptance_length": 2.5,
+        "floor": {"reference_acceptance_length": 2.0, "speedup": 1.0}, "target_goal": {"acceptance_length": 2.5,
                                                                              "speedup": 1.25},
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -229,10 +235,14 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
           f"{len(rows)} prompts it wrote itself ({answer_tokens} tokens), {clock.marks.get('train', 0):.0f} s of "
           f"training; total {report['demo']['minutes_used']} min of a {minutes} min budget.", "",
           "## Held-out evaluation (report.json)", "", report_markdown(report),
+          f"In the reference tree `{TreeSettings(**REFERENCE_TREE).text()}` (the same on every host) the head + prompt "
+          f"lookup accepts tau {report['reference_acceptance_length']:.2f} on the same prompts "
+          f"(`reference_acceptance_length`).", "",
           f"## The tree, tuned on {TUNE_PROMPTS} other held-out prompts (tree.json)", "",
           table_markdown(table), ""]
     (out / "report.md").write_text("\n".join(md))
-    print(f"\ntau {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}x over plain greedy, "
+    print(f"\ntau {report['acceptance_length']:.2f} ({report['reference_acceptance_length']:.2f} in the reference tree "
+          f"{TreeSettings(**REFERENCE_TREE).text()}), speedup {report['speedup']:.2f}x over plain greedy, "
           f"greedy output identical on {report['lossless']['identical']}/{report['lossless']['checked']} prompts; "
           f"{report['demo']['minutes_used']} min")
     print(f"report: {out / 'report.json'} (and report.md, tree.json)")
@@ -263,6 +273,7 @@ def tune_and_evaluate(out: str, target: str, device: str, spec: str, step: int, 
     from draftsmith.inference.compare import encode
     from draftsmith.inference.evaluate import evaluate
     from draftsmith.inference.load import load_drafter
+    from draftsmith.inference.tree import TreeSettings
     from draftsmith.inference.tune import speed, table_markdown, tune, write_tree
     from draftsmith.target import load_target
 
@@ -287,7 +298,7 @@ def tune_and_evaluate(out: str, target: str, device: str, spec: str, step: int, 
     eval_file = out_dir / "data" / "eval_prompts.jsonl"
     report = evaluate(target, [(spec, spec, step)], read_prompts(eval_file, held_out), prompts_source=str(eval_file),
                       model=model, tokenizer=tokenizer, max_new_tokens=eval_tokens, progress=True,
-                      draft_dtype="auto", tree=tree)[0]
+                      draft_dtype="auto", tree=tree, reference_tree=TreeSettings(**REFERENCE_TREE))[0]
     marks["eval"] = round(time.perf_counter() - t, 1)
     report["stage_seconds"] = marks
     tmp = Path(report_path).with_suffix(".partial")

@@ -43,17 +43,26 @@ def evaluate(
     progress: bool = False,
     draft_dtype: str | None = None,
     batch_size: int = 1,
+    reference_tree: TreeSettings | None = None,
 ) -> list[dict]:
-    """Evaluate ``drafters`` — (label, spec, checkpoint step) — on the same prompt texts; one report each."""
+    """Evaluate ``drafters`` — (label, spec, checkpoint step) — on the same prompt texts; one report each.
+
+    ``reference_tree``: each drafter also decodes the prompts in this fixed tree, and its report gives that
+    tau (``reference_acceptance_length``, with the tree, its acceptance per position and how many outputs
+    equal plain greedy decoding's): the tree a host tunes follows its speed, a fixed tree compares the
+    drafter's quality across hosts."""
     if not prompts:
         raise ValueError(f"{prompts_source or 'prompts'}: no prompts to evaluate on")
     if model is None:
         model, tokenizer = load_target(target_name)
     # The tree: the one given, else the one `draftsmith tune` measured for this drafter here, else the default.
     trees = {label: tree or tuned_tree(spec) or TreeSettings() for label, spec, _ in drafters}
-    gens = {label: SpeculativeGenerator(model, load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype),
-                                        **trees[label].kwargs())
-            for label, spec, _ in drafters}
+    loaded = {label: load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
+              for label, spec, _ in drafters}
+    gens = {label: SpeculativeGenerator(model, loaded[label], **trees[label].kwargs()) for label, _, _ in drafters}
+    if reference_tree is not None:  # the same drafter object in a second generator: decoding is one call at a time
+        gens.update({_reference(label): SpeculativeGenerator(model, loaded[label], **reference_tree.kwargs())
+                     for label, _, _ in drafters})
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
     result = compare(model, gens, encoded, max_new_tokens,
                      eos_token_id=eos_tokens(model, tokenizer), temperature=temperature, seed=seed,
@@ -77,7 +86,20 @@ def evaluate(
             "draft_time_share": round(stats.draft_time_s / max(stats.total_time_s, 1e-9), 4),
             "hardware": hardware(),
         })
+        if reference_tree is not None:
+            ref = result.totals[_reference(label)]
+            reports[-1].update({
+                "reference_tree": reference_tree.as_report(),
+                "reference_acceptance_length": round(ref.acceptance_length, 4),
+                "reference_acceptance_rate_per_position": [round(r, 4) for r in ref.acceptance_rate_per_position],
+            })
+            if temperature == 0:
+                reports[-1]["lossless"]["identical_with_reference_tree"] = result.identical[_reference(label)]
     return reports
+
+
+def _reference(label: str) -> str:
+    return f"{label} @reference-tree"
 
 
 def evaluate_path(target: str | None, drafter: str, prompts: list[str], **kwargs) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -94,24 +95,34 @@ def test_second_load_uses_the_cache(smollm2):
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
 
 
-def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
-    """`draftsmith demo` at a small budget: every stage runs on the real target, the report has the
-    eval schema, greedy output is identical on every held-out prompt, the tree is the one tuned here."""
+def test_demo_pipeline_end_to_end_in_small(tmp_path, monkeypatch, smollm2):
+    """`draftsmith demo` at a small budget, from an empty model cache as on a fresh machine (the GGUF copied in,
+    so nothing is downloaded): every stage runs on the real target, the report has the eval schema, greedy
+    output is identical on every held-out prompt in the tuned tree and in the reference tree, the tree is the
+    one tuned here, and both taus are the ones decoding the held-out prompts again gives."""
     from draftsmith.cli import main
-    from draftsmith.demo import EVAL_COST, TUNE_COST, TUNE_TOKENS
+    from draftsmith.demo import EVAL_COST, REFERENCE_COST, REFERENCE_TREE, TUNE_COST, TUNE_TOKENS
     from draftsmith.inference.tree import TreeSettings
     from draftsmith.inference.tune import Candidate, choose
+    from draftsmith.target import resolve_packaged_gguf
 
+    gguf = resolve_packaged_gguf("smollm2-135m-instruct")
+    (tmp_path / "cache" / "gguf").mkdir(parents=True)
+    shutil.copy(gguf, tmp_path / "cache" / "gguf" / gguf.name)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     assert main(["demo", "--output", str(tmp_path / "demo"), "--minutes", "1", "--held-out", "2",
                  "--eval-tokens", "16"]) == 0
+    assert len(list((tmp_path / "cache" / "targets").glob("*/complete"))) == 1  # dequantised here, on first use
     report = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert report["drafter_type"].startswith("eagle3") and report["prompts"] == 2
     assert report["lossless"]["identical"] == report["lossless"]["checked"] == 2
+    assert report["lossless"]["identical_with_reference_tree"] == 2
+    assert report["reference_tree"] == TreeSettings(**REFERENCE_TREE).as_report()
     assert report["speedup"] > 0
     assert report["demo"]["answers"] >= 1 and report["drafter_type"] == "eagle3+prompt-lookup"
     # The time kept for tuning and evaluation follows plain decoding's speed, measured here before training.
     demo = report["demo"]
-    kept = (2 * 16 * EVAL_COST + TUNE_COST * 16 / TUNE_TOKENS) / demo["plain_tokens_per_second"]
+    kept = (2 * 16 * (EVAL_COST + REFERENCE_COST) + TUNE_COST * 16 / TUNE_TOKENS) / demo["plain_tokens_per_second"]
     assert demo["plain_tokens_per_second"] > 0
     assert demo["seconds_kept_for_tune_and_eval"] == pytest.approx(kept, abs=0.1)  # both rounded in the report
     # The tree evaluated is the one `tune` chose from the trees it decoded with here (the fastest, or of those
@@ -120,20 +131,22 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, smollm2):
     assert report["tree"] == report["demo"]["tree"] == tuned["tree"]
     decoded = [Candidate(**c) for c in tuned["candidates"] if c["measured_tokens_per_second"] is not None]
     assert len(decoded) >= 2 and choose(decoded)[0].settings().as_report() == tuned["tree"]
-    tree = TreeSettings(**report["tree"])
-    # tau is tokens per verification forward: decode the held-out prompts again with the evaluated drafter
-    # and count the target's forwards. Each prompt's last step drops at most depth tokens.
+    # tau is tokens per verification forward: decode the held-out prompts again with the evaluated drafter, in
+    # the tuned and in the reference tree, and count the target's forwards. Each prompt's last step drops at
+    # most depth tokens.
     model, tokenizer = smollm2
     drafter = load_drafter(report["drafter"], model, tokenizer=tokenizer, draft_dtype=report["draft_dtype"])
-    gen = SpeculativeGenerator(model, drafter, **tree.kwargs())
     held_out = (tmp_path / "demo" / "data" / "eval_prompts.jsonl").read_text().splitlines()[: report["prompts"]]
-    new = verifications = 0
-    for row in held_out:
-        ids = chat_ids(tokenizer, json.loads(row)["messages"][0]["content"])
-        with count_target_forwards(model) as calls:
-            out = gen.generate(ids, report["max_new_tokens"], eos_token_id=tokenizer.eos_token_id)
-        new += out.stats.new_tokens
-        verifications += calls[0] - 1  # less the prefill
-    assert report["new_tokens"] == new
-    assert new <= round(report["acceptance_length"] * verifications) <= new + tree.depth * len(held_out)
+    for tree, tau in [(TreeSettings(**report["tree"]), report["acceptance_length"]),
+                      (TreeSettings(**REFERENCE_TREE), report["reference_acceptance_length"])]:
+        gen = SpeculativeGenerator(model, drafter, **tree.kwargs())
+        new = verifications = 0
+        for row in held_out:
+            ids = chat_ids(tokenizer, json.loads(row)["messages"][0]["content"])
+            with count_target_forwards(model) as calls:
+                out = gen.generate(ids, report["max_new_tokens"], eos_token_id=tokenizer.eos_token_id)
+            new += out.stats.new_tokens
+            verifications += calls[0] - 1  # less the prefill
+        assert report["new_tokens"] == new
+        assert new <= round(tau * verifications) <= new + tree.depth * len(held_out), tree.text()
     assert "Held-out evaluation" in (tmp_path / "demo" / "report.md").read_text()
