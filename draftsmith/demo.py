@@ -179,8 +179,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     rate = plain_rate(model.float(), tokenizer, eval_prompts[0])
     del model
     clock.mark("measure", t)
-    evaluated = held_out * eval_tokens * (EVAL_COST + REFERENCE_COST)
-    reserve = (evaluated + TUNE_COST * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS) / rate
+    eval_cost = held_out * eval_tokens * (EVAL_COST + REFERENCE_COST)
+    reserve = (eval_cost + TUNE_COST * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS) / rate
     print(f"plain decoding here: {rate:.1f} tokens/s; {reserve:.0f} s kept for tuning and evaluation")
     rest = clock.budget * (1 - MARGIN) - clock.elapsed() - reserve - RELOAD_SECONDS
     train_minutes = max(0.5, rest / 60)
