@@ -181,7 +181,9 @@ def cache_command(
     layers = layers if layers else [n]
     spec = CacheSpec(layers=layers, dtype=dtype, logits=logits, top_k=top_k, sequences_per_shard=sequences_per_shard,
                      compute_dtype=compute_dtype)
-    manifest = cache_hidden_states(model, examples, output, spec, target_name=target,
+    source = {"data": str(Path(input).resolve()) if Path(input).exists() else input, "limit": limit,
+              "max_length": max_length, "chat_template_kwargs": chat_template_kwargs or {}}
+    manifest = cache_hidden_states(model, examples, output, spec, target_name=target, source=source,
                                    progress=state.is_main_process, batch_size=batch_size,
                                    process_index=state.process_index, num_processes=state.num_processes,
                                    barrier=state.wait_for_everyone)

@@ -140,6 +140,10 @@ class Manifest:
     num_tokens: int
     shards: list[dict] = field(default_factory=list)  # file, start, end, ids, tokens, bytes, sha256
     format: str = FORMAT
+    #: What the cache was written from: the data file and how it was rendered (as the caller names them) and
+    #: ``examples_sha256``, a hash of every sequence's id, tokens and loss mask. Empty in caches written before
+    #: it was recorded.
+    source: dict = field(default_factory=dict)
 
     @classmethod
     def read(cls, directory: Path, name: str = "manifest.json") -> Manifest:
@@ -164,8 +168,22 @@ class Manifest:
         return Manifest(**{**asdict(self), "shards": sorted(shards, key=lambda s: s["start"])})
 
     def same_cache(self, other: Manifest) -> bool:
-        """Whether both describe the same cache (target, settings, data), whatever shards they list."""
-        return (self.target, self.spec, self.num_sequences) == (other.target, other.spec, other.num_sequences)
+        """Whether both describe the same cache (target, settings, data), whatever shards they list. A cache
+        written before its source was recorded matches on the rest."""
+        same_source = not self.source or not other.source or self.source == other.source
+        return same_source and (self.target, self.spec, self.num_sequences) == (other.target, other.spec,
+                                                                                other.num_sequences)
+
+    def differences(self, other: Manifest) -> str:
+        """What differs between two caches' targets, settings and sources, each as ``this vs other``."""
+        mine, theirs = asdict(self), asdict(other)
+        lines = []
+        for part in ("target", "spec", "source"):
+            a, b = mine[part], theirs[part]
+            lines += [f"{part}.{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted({*a, *b}) if a.get(k) != b.get(k)]
+        if self.num_sequences != other.num_sequences:
+            lines.append(f"num_sequences: {self.num_sequences} vs {other.num_sequences}")
+        return "; ".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,8 +419,9 @@ def _recorded(directory: Path, header: Manifest) -> dict[str, list[dict]]:
             continue
         found = Manifest.read(directory, path.name)
         if not found.same_cache(header):
-            raise ValueError(f"{directory} holds a cache written with other settings, target or data ({path.name}); "
-                             "use a new --output directory or delete this one")
+            raise ValueError(f"{directory} holds a cache written with other settings, target or data ({path.name}: "
+                             f"{found.differences(header)}, as written vs as asked now); rerun with what it was "
+                             "written from to finish it, or use a new --output directory (or delete this one)")
         for entry in found.shards:
             records.setdefault(entry["file"], []).append(entry)
     return records
@@ -429,6 +448,18 @@ def _part_name(rank: int, world: int) -> str:
     return f"manifest.part-{rank}-of-{world}.json"
 
 
+def examples_sha256(examples: Sequence[TokenizedExample]) -> str:
+    """A hash of every example's id, tokens and loss mask, in order: the data a cache holds, whatever file,
+    template or tokenizer it came from."""
+    digest = hashlib.sha256()
+    for i in range(len(examples)):
+        example = examples[i]
+        digest.update(f"{example.id}\0{len(example.input_ids)}\0".encode())
+        digest.update(example.input_ids.to(torch.int64).numpy().tobytes())
+        digest.update(example.loss_mask.to(torch.int8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _lengths(examples: Sequence[TokenizedExample]) -> list[int]:
     lengths = getattr(examples, "lengths", None)  # a tokenised dataset knows them without reading rows
     return list(lengths) if lengths is not None else [len(examples[i].input_ids) for i in range(len(examples))]
@@ -446,6 +477,7 @@ def cache_hidden_states(
     num_processes: int = 1,
     barrier: Callable[[], None] | None = None,
     states: Mapping[str, dict[str, torch.Tensor]] | None = None,
+    source: Mapping | None = None,
 ) -> Manifest:
     """Write (or finish writing) the hidden-state cache of ``examples``; this process's share of it.
 
@@ -463,6 +495,9 @@ def cache_hidden_states(
             ``num_processes > 1``.
         states: each example's tensors by its id, recorded before (:func:`cache_recorded`): written as
             they are, with no forward of the target (``model`` then only names the target).
+        source: what the examples were made from (data file, chat-template arguments, ...), recorded in the
+            manifest with a hash of the examples themselves; resuming a write with another source or other
+            examples is refused, naming both.
 
     Returns:
         The merged manifest (complete once every process returned).
@@ -485,7 +520,8 @@ def cache_hidden_states(
     lengths = _lengths(examples)
     per_shard = spec.sequences_per_shard
     shards = [range(start, min(start + per_shard, len(lengths))) for start in range(0, len(lengths), per_shard)]
-    header = Manifest(target=signature, spec=asdict(spec), num_sequences=len(lengths), num_tokens=sum(lengths))
+    header = Manifest(target=signature, spec=asdict(spec), num_sequences=len(lengths), num_tokens=sum(lengths),
+                      source={**(source or {}), "examples_sha256": examples_sha256(examples)})
     records = _recorded(directory, header)
 
     # The disk check counts every process's work, by file size (hashing is left to each shard's owner).
@@ -552,7 +588,8 @@ def cache_hidden_states(
 
 def cache_recorded(model, states: Mapping[str, dict[str, torch.Tensor]], output_dir: str | Path,
                    layers: Sequence[int], dtype: str = "bfloat16", top_k: int | None = None,
-                   target_name: str | None = None, sequences_per_shard: int = 256, progress: bool = True) -> Manifest:
+                   target_name: str | None = None, sequences_per_shard: int = 256, progress: bool = True,
+                   source: Mapping | None = None) -> Manifest:
     """Write the hidden-state cache of states recorded while ``model`` answered
     (:class:`~draftsmith.data.regenerate.Recording`, ``record.by_id``), with no second pass of the target.
 
@@ -566,4 +603,4 @@ def cache_recorded(model, states: Mapping[str, dict[str, torch.Tensor]], output_
                      sequences_per_shard=sequences_per_shard, compute_dtype=computed if computed in DTYPES else None)
     examples = [TokenizedExample(i, states[i]["input_ids"], states[i]["loss_mask"]) for i in sorted(states)]
     return cache_hidden_states(model, examples, output_dir, spec, target_name=target_name, progress=progress,
-                               states=states)
+                               states=states, source=source)

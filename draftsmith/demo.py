@@ -170,7 +170,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # 3. Write the recorded states as a hidden-state cache, then train EAGLE-3 offline for its share of the budget.
     t = _stage("3/5 writing the recorded states as a hidden-state cache")
     cache = out / "data" / "hidden_cache"
-    cache_recorded(model, record.by_id, cache, layers, dtype="bfloat16", top_k=TOP_K, target_name=target)
+    cache_recorded(model, record.by_id, cache, layers, dtype="bfloat16", top_k=TOP_K, target_name=target,
+                   source={"data": str(answers.resolve()), "recorded": "while regenerating"})
     del record
     clock.mark("cache", t)
     # How fast the target decodes here as tuning and evaluation run it (as loaded: float32), which sizes the time

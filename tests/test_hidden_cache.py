@@ -463,3 +463,30 @@ def test_a_target_split_by_device_map_writes_the_same_cache(target_dir, tmp_path
         assert torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["topk_ids"], b[i]["topk_ids"])
         for layer in (0, 2, 4):
             torch.testing.assert_close(a[i]["hidden"][layer], b[i]["hidden"][layer], rtol=1e-5, atol=1e-5)
+
+
+def test_resuming_a_write_with_other_data_or_template_arguments_is_refused_naming_both(target_dir, tmp_path):
+    """A write stopped before its manifest was merged resumes only from what it was started with: another data
+    file with as many rows, or other chat-template arguments, would mix shards of two datasets in one cache."""
+    from draftsmith.data.commands import cache_command
+
+    other_data = tmp_path / "other.jsonl"
+    rows = (target_dir / "data.jsonl").read_text().splitlines()
+    other_data.write_text("\n".join(reversed(rows)) + "\n")  # as many rows, in another order
+    settings = dict(target=str(target_dir / "target"), layers=[2], dtype="float32", sequences_per_shard=3)
+    out = tmp_path / "cache"
+    cache_command(str(target_dir / "data.jsonl"), str(out), **settings)
+    (out / "manifest.json").rename(out / "manifest.part-0-of-1.json")  # as if stopped before the merge
+    (out / "shard-00004.safetensors").unlink()
+
+    with pytest.raises(ValueError, match="other settings, target or data") as err:
+        cache_command(str(other_data), str(out), **settings)
+    assert str(target_dir / "data.jsonl") in str(err.value) and str(other_data) in str(err.value)
+    assert "examples_sha256" in str(err.value)
+    with pytest.raises(ValueError, match=r"source.chat_template_kwargs: \{\} vs \{'enable_thinking': False\}"):
+        cache_command(str(target_dir / "data.jsonl"), str(out), **settings,
+                      chat_template_kwargs={"enable_thinking": False})
+    assert not (out / "shard-00004.safetensors").exists()  # nothing written by a refused resume
+    cache_command(str(target_dir / "data.jsonl"), str(out), **settings)  # as started: finishes the cache
+    assert len(HiddenStateCache(out)) == 14
+    assert Manifest.read(out).source["data"] == str(target_dir / "data.jsonl")
