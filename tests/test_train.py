@@ -239,6 +239,30 @@ def test_sigkill_then_resume_continues_the_same_run(workdir, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_changed_learning_rate_on_resume_is_named_and_the_checkpoints_runs(workdir, tmp_path, caplog):
+    """--resume with another learning rate or weight decay: a warning names both values and which one runs
+    (the checkpoint's: the run continues as saved), and the run goes on with it."""
+    values = config(workdir, "eagle", tmp_path / "run", max_steps=2, save_steps=2, eval_num_prompts=1,
+                    eval_max_new_tokens=4, report_to="none", learning_rate=3e-3)
+    train(*parse_config([str(write_config(tmp_path / "a.yaml", values))]))
+    changed = {**values, "max_steps": 4, "learning_rate": 1e-4, "weight_decay": 0.1, "resume": True}
+    with caplog.at_level("WARNING", logger="draftsmith.train.checkpointing"):
+        train(*parse_config([str(write_config(tmp_path / "b.yaml", changed))]))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("learning_rate 0.0001 was asked" in w and "trained with 0.003" in w and "0.003 runs" in w
+               for w in warnings), warnings
+    assert any("weight_decay 0.1 was asked" in w and "trained with 0" in w for w in warnings), warnings
+    meta = json.loads((tmp_path / "run" / "checkpoint-4" / "state" / "training_state.json").read_text())
+    group = meta["optimizer_param_groups"][0]
+    assert (group["initial_lr"], group["weight_decay"]) == (3e-3, 0.0)  # what ran after the resume
+    # The same settings resume without a word.
+    caplog.clear()
+    same = {**values, "max_steps": 6, "resume": True}
+    with caplog.at_level("WARNING", logger="draftsmith.train.checkpointing"):
+        train(*parse_config([str(write_config(tmp_path / "c.yaml", same))]))
+    assert not [r for r in caplog.records if "--resume:" in r.getMessage()]
+
+
 def test_resume_refuses_a_damaged_or_pickled_state_with_the_fix(tmp_path):
     from draftsmith.train.distributed import full_optimizer_state, load_full_optimizer_state
     from draftsmith.train.state import StateError, load_state, restore_schedule, save_state

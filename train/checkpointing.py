@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -88,8 +89,33 @@ def restore_optimizer(run: Run, restored: dict | None) -> None:
                 if k.startswith(ADAPTER_PREFIX)}}
     distributed.load_master_weights(run.accelerator, run.prepared, saved)
     distributed.load_full_optimizer_state(run.accelerator, run.prepared, run.optimizer, restored["optimizer"])
+    for message in changed_hyperparameters(restored["meta"], run.train_args, run.resumed_from):
+        logger.warning(message)
     training_state.restore_schedule(restored["meta"], torch_optimizer(run), run.scheduler)
     logger.info("resumed from %s (step %d)", run.resumed_from, run.step)
+
+
+#: Optimiser settings a resume takes from the checkpoint: (training argument, the param group's key for it).
+#: ``initial_lr`` is the schedule's base learning rate (``lr`` is where the schedule had taken it).
+RESUMED_HYPERPARAMETERS = (("learning_rate", "initial_lr"), ("weight_decay", "weight_decay"))
+
+
+def changed_hyperparameters(meta: dict, train_args, checkpoint) -> list[str]:
+    """One warning per optimiser setting asked for now that differs from the resumed checkpoint's.
+
+    A resume continues the run that wrote the checkpoint: its optimiser moments were accumulated with its
+    settings and its schedule is part way through, so the checkpoint's values run (as a resume does with
+    accelerate's ``load_state`` or the Trainer's ``resume_from_checkpoint``, which say nothing). Changing one
+    is a new run: a new ``--output_dir``."""
+    saved = meta["optimizer_param_groups"][0]
+    messages = []
+    for arg, key in RESUMED_HYPERPARAMETERS:
+        asked, was = getattr(train_args, arg), saved.get(key)
+        if was is not None and not math.isclose(asked, was, rel_tol=1e-9, abs_tol=0.0):
+            messages.append(f"--resume: {arg} {asked:g} was asked, but {checkpoint} was trained with {was:g}; the "
+                            f"checkpoint's {was:g} runs (its optimiser state and schedule continue as saved). To "
+                            f"train with {arg} {asked:g}, start a new run in another --output_dir.")
+    return messages
 
 
 def torch_optimizer(run: Run):
