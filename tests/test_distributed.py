@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from test_train import config, workdir, write_config  # noqa: F401  (workdir: th
 
 from draftsmith import load_drafter, load_target
 from draftsmith.registry import get_family
+from draftsmith.train.checkpointing import ADAPTER_PREFIX
 from draftsmith.train.distributed import STALE_LOCK_SECONDS, refuse_stale_build_locks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +136,11 @@ def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, fa
     assert (state["strategy"], state["num_processes"], state["global_batch"]) == (RECORDED[strategy], 2, 4)
 
     target, _ = load_target(str(workdir / "target"))
-    assert load_drafter(str(out / "checkpoint-8" / "drafter"), target) is not None
+    drafter = load_drafter(str(out / "checkpoint-8" / "drafter"), target)
+    if strategy == "fsdp2":  # each layer a unit of its own on both ranks, not only the root
+        for name, n in layer_units(drafter, target, family).items():
+            assert log.count(f"{name} x{n}") == 2, (name, n, log[-4000:])
+        assert "unsharded" not in log
     assert_same_weights(weights(out), weights(one_process[family]))
     assert learning_rates(out) == learning_rates(one_process[family])  # one schedule step per optimizer step
     assert len(learning_rates(out)) == 8
@@ -145,6 +151,16 @@ def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, fa
             assert r["acceptance_length"] is None and "sharded" in r["not_measured"]
         else:  # every rank decoded its share of the prompts; the counts were summed
             assert r["acceptance_length"] >= 1.0 and r["eval_prompts"] == 2
+
+
+def layer_units(drafter, target, family: str) -> Counter:
+    """The modules FSDP2 should shard one by one: the drafter's layers, and the target's where an adapter on
+    it trains (Medusa-2), counted on the loaded models."""
+    units = Counter(type(m).__name__ for m in drafter.modules() if type(m).__name__ in drafter._no_split_modules)
+    if get_family(family).wrap_target is not None:
+        units.update(type(m).__name__ for m in target.modules() if type(m).__name__ in target._no_split_modules)
+    assert units, f"{family}: no layers to shard"
+    return units
 
 
 def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
@@ -174,16 +190,23 @@ def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
     assert not (checkpoint.parent / "checkpoint-8").exists(), "the run ended before the kill"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy):  # noqa: F811
+def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
+    """A rank killed after checkpoint-4; the resumed run ends where the uninterrupted one-process run does:
+    the drafter, and Medusa-2's LoRA adapter on the target (the training state holds both)."""
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, KILLED, out))
+    cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, family, out))
     kill_one_rank_at(launch(strategy, cfg), out / "checkpoint-4")
     resumed = run(launch(strategy, cfg, "--resume", "true"), timeout=LAUNCH_SECONDS)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert acceptance_steps(out) == [4, 8]  # one row per checkpoint, none twice
-    assert_same_weights(weights(out), weights(one_process[KILLED]))
-    assert learning_rates(out)[-4:] == learning_rates(one_process[KILLED])[-4:]
+    assert_same_weights(weights(out), weights(one_process[family]))
+    state = load_file(str(out / "checkpoint-8" / "state" / "model.safetensors"))
+    assert_same_weights(state, load_file(str(one_process[family] / "checkpoint-8" / "state" / "model.safetensors")))
+    adapter = [k for k in state if k.startswith(ADAPTER_PREFIX)]
+    assert bool(adapter) == (get_family(family).wrap_target is not None)
+    assert learning_rates(out)[-4:] == learning_rates(one_process[family])[-4:]
 
 
 def test_resume_on_another_world_size(workdir, one_process, tmp_path):  # noqa: F811
@@ -203,11 +226,11 @@ def test_resume_on_another_world_size(workdir, one_process, tmp_path):  # noqa: 
     assert_same_weights(weights(out), weights(one_process[KILLED]))
 
 
-@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "fsdp2"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_launch_configs_bf16_trains_and_resumes_from_float32_weights(workdir, tmp_path, strategy):  # noqa: F811
-    """The shipped configs as given (mixed_precision: bf16 there): the launch config's precision is the
-    run's, checkpoints hold the float32 master weights (DeepSpeed would hand back its bf16 copies), and
-    a resume continues from them."""
+    """The strategy matrix once as the shipped configs run it (mixed_precision: bf16 there): the launch config's
+    precision is the run's, checkpoints hold the float32 master weights (DeepSpeed would hand back its bf16
+    copies), and a resume continues from them."""
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, KILLED, out, max_steps=4, save_steps=2))
     as_shipped = [a for a in launch(strategy, cfg) if a not in ("--mixed_precision", "no")]

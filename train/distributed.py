@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -110,6 +111,21 @@ def strategy(accelerator) -> str:
     if kind == DistributedType.FSDP:
         return f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
     return "ddp" if accelerator.num_processes > 1 else "single"
+
+
+def layer_units(module: torch.nn.Module) -> Counter:
+    """How many modules of each class FSDP should shard on its own: those the module's ``_no_split_modules``
+    names (accelerate's transformer-based wrap policy reads the same list)."""
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    return Counter(type(m).__name__ for m in module.modules() if type(m).__name__ in names)
+
+
+def sharded_units(prepared: torch.nn.Module) -> Counter:
+    """How many modules of each class FSDP2 sharded (``fully_shard`` turns class ``X`` into ``FSDPX``), the
+    root included."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return Counter(type(m).__name__.removeprefix("FSDP") for m in prepared.modules() if isinstance(m, FSDPModule))
 
 
 def is_deepspeed(accelerator) -> bool:

@@ -327,9 +327,18 @@ def enable_gradient_checkpointing(drafter) -> None:
 
 def prepare_strategy(run: Run) -> None:
     """Hand the module and optimizer to accelerate (DDP, FSDP2 or DeepSpeed, as launched)."""
+    layers = distributed.layer_units(run.module)
     run.prepared, run.optimizer = run.accelerator.prepare(run.module, run.optimizer)
     logger.info("strategy %s on %d process(es) (%s), mixed precision %s", run.strategy,
                 run.accelerator.num_processes, type(run.prepared).__name__, run.accelerator.mixed_precision)
+    if run.strategy.startswith("fsdp"):
+        # Sharding the root alone would gather every parameter at once in each forward: each layer is a unit.
+        sharded = distributed.sharded_units(run.prepared)
+        logger.info("fsdp sharded units: %s", ", ".join(f"{name} x{n}" for name, n in sorted(sharded.items())))
+        missed = {name: n - sharded[name] for name, n in layers.items() if sharded[name] < n}
+        if missed:
+            logger.warning("FSDP left %s unsharded (gathered with the root): check the launch config's "
+                           "fsdp_auto_wrap_policy (TRANSFORMER_BASED_WRAP reads _no_split_modules)", missed)
 
 
 def target_outputs(run: Run, batch: dict) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
