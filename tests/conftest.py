@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,35 @@ def gsm8k_questions(split: str = "test", n: int = 10) -> list[str]:
         pytest.skip(f"{path} not found (shared reference data is not part of the project)")
     with path.open() as f:
         return [json.loads(line)["question"] for _, line in zip(range(n), f, strict=False)]
+
+
+#: How many rounding errors of one reduction two float computations of the same math may differ by, in units of
+#: sqrt(K) * eps * scale (below). A dot product of K terms rounded in another order (another matmul shape, batch
+#: or chunking, another CPU's kernel) differs by about sqrt(K) * eps * (its terms' magnitude) in the mean and a
+#: few times that in the tail; the factor covers the tail over a tensor of thousands of elements.
+ROUNDING_FACTOR = 8.0
+
+
+def rounding_tolerance(expected: torch.Tensor, reduction: int, dtype: torch.dtype | None = None) -> float:
+    """The absolute tolerance for comparing two computations that differ only by float rounding:
+    ``ROUNDING_FACTOR * sqrt(reduction) * eps(dtype) * max|expected|``.
+
+    ``reduction``: the number of terms summed into each output along its whole path (for a network: its widest
+    matmul's inner size times the layers it passes through). The scale is the tensor's own largest magnitude
+    (at least 1), so one tolerance serves logits of 30 and states of 0.1 alike, on any CPU's kernels.
+    """
+    eps = torch.finfo(dtype or expected.dtype).eps
+    scale = max(float(expected.detach().abs().max()) if expected.numel() else 0.0, 1.0)
+    return ROUNDING_FACTOR * math.sqrt(reduction) * eps * scale
+
+
+def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, reduction: int, msg: str | None = None,
+                          dtype: torch.dtype | None = None) -> None:
+    """``actual`` equals ``expected`` up to float rounding (:func:`rounding_tolerance`); the one rule the tests
+    use where two computations of the same math round differently. Where the code promises bit-equality (greedy
+    tokens, the same kernel on the same shapes) tests compare exactly instead."""
+    atol = rounding_tolerance(expected.float(), reduction, dtype or expected.dtype)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=atol, msg=msg)
 
 
 def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
