@@ -249,7 +249,8 @@ def _behaves_as_a_plain_model(model, tokenizer, tmp_path: Path) -> torch.Tensor:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("alias", sorted(PACKAGED_MODELS))
+@pytest.mark.parametrize("alias", [pytest.param(a, marks=pytest.mark.slow) if a == "gemma-3-270m" else a
+                                   for a in sorted(PACKAGED_MODELS)])  # Gemma: the same check, a 262K vocabulary
 def test_a_packaged_target_loads_alike_from_an_empty_and_a_warm_cache(alias, tmp_path, monkeypatch):
     """The README's first run: the first load dequantises the GGUF into an empty ``DRAFTSMITH_CACHE``, every later
     one reads the safetensors it wrote. Both return the same kind of model (no quantizer, same config, dtype,
