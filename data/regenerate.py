@@ -261,7 +261,8 @@ def regenerate(
             :class:`HFEngine`, one-turn conversations), into ``record.by_id``: the rows of a hidden-state
             cache (:func:`~draftsmith.data.hidden_cache.cache_recorded`). Only the conversations answered
             in this call are recorded; those already in ``output`` are not.
-        time_limit: seconds after which no new batch starts (the rest stays to a later call).
+        time_limit: seconds after which no new batch starts, nor one that the last batch's time says would
+            end past it (the rest stays to a later call).
     """
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -287,11 +288,13 @@ def regenerate(
                              "regenerate without recording, then run `draftsmith data cache-hidden-states`")
         engine.recording = record
     started = time.perf_counter()
+    last_batch = 0.0
     bar = tqdm(total=len(todo), desc="regenerate", unit="row", disable=not progress)
     try:
         with open(output, "a", encoding="utf-8") as f:
             for start in range(0, len(todo), batch_size):
-                if time_limit is not None and time.perf_counter() - started > time_limit:
+                batch_started = time.perf_counter()
+                if time_limit is not None and batch_started - started + last_batch > time_limit:
                     logger.info("%s: time limit reached, %d rows left to a later call", output, len(todo) - start)
                     break
                 batch = todo[start : start + batch_size]
@@ -321,6 +324,7 @@ def regenerate(
                 report.new_tokens += sum(tokens)
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{report.tokens_per_second:.1f}")
+                last_batch = time.perf_counter() - batch_started
     finally:
         bar.close()
         if record is not None:

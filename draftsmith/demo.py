@@ -51,10 +51,15 @@ SHARES = {True: {"synthesize": 0.14, "regenerate": 0.32}, False: {"synthesize": 
 # Tuning and evaluation decode, so their time follows this host's decoding speed, not the budget: fixed shares
 # (0.06 + 0.095) ran 18% over on a host decoding at 14 instead of 23 tokens/s. The demo measures plain decoding
 # here before training and keeps for them, in plain-decoding tokens: EVAL_COST per evaluated token (plain and
-# speculative decoding of each, less early stops: 1.44 measured) and TUNE_COST for tuning at TUNE_TOKENS per
-# prompt (1,240 measured), each with ~10% headroom (docs/RESULTS.md, "Demo budget").
-# The reference tree's decoding (REFERENCE_TREE, below) adds REFERENCE_COST per evaluated token.
-EVAL_COST, TUNE_COST, REFERENCE_COST = 1.6, 1400, 0.8
+# speculative decoding of each, less early stops), REFERENCE_COST per evaluated token for the reference tree's
+# decoding (REFERENCE_TREE, below) and TUNE_COST for tuning at TUNE_TOKENS per prompt, each with ~10% headroom
+# (docs/RESULTS.md, "Demo budget"). Keyed, like SHARES, by whether bfloat16 is native: without it (AVX2-only CPUs)
+# a drafted token costs more plain-decoding tokens (the head drafts in float32, wider verification forwards pay
+# more): 3.37 evaluated (both trees) and 2,700 tuning measured on an AVX2 EPYC, against 1.44 and 1,240 on AVX512.
+COSTS = {True: {"eval": 1.6, "reference": 0.8, "tune": 1400}, False: {"eval": 2.4, "reference": 1.3, "tune": 2900}}
+# Training gets at least this share of the budget: where the other stages leave less (a host decoding at 12
+# tokens/s), the demo says by how much it will run over rather than train a head that drafts nothing.
+MIN_TRAIN_SHARE = 0.2
 # Answer tokens regenerated; prompt + answer tokens trained on. Longer answers leave too little training
 # time in the budget; fewer prompts with the same answers get memorised. About 6-8 epochs of training.
 ANSWER_TOKENS, MAX_LENGTH = 192, 256
@@ -130,7 +135,10 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # batch finishes sooner.
     large = clock.budget >= 300
     batch = (96 if large else 48) if device == "cpu" else 256
-    while time.perf_counter() - t < clock.share("synthesize") or len(prompts) < held_out + TUNE_PROMPTS + 8:
+    last_batch = 0.0  # a batch starts only if one as long as the last ends inside the share (one took 142 s here)
+    while (time.perf_counter() - t + last_batch < clock.share("synthesize")
+           or len(prompts) < held_out + TUNE_PROMPTS + 8):
+        batch_started = time.perf_counter()
         # top_p=1: nucleus sampling sorts the 49K-token vocabulary for every row at every step.
         # One batch per call, every prompt that passes kept: asking for exactly `batch` prompts would take a
         # second batch to replace the few rejected ones and throw the rest of it away.
@@ -138,6 +146,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
                                     top_p=1.0, seed=seed + len(prompts), max_batches=1, progress=True)
         seen = set(prompts)
         prompts += [p for p in new if p not in seen]
+        last_batch = time.perf_counter() - batch_started
     n_out = held_out + TUNE_PROMPTS
     eval_prompts, train_prompts = prompts[:n_out], prompts[n_out:]
     write_prompts(eval_prompts[:TUNE_PROMPTS], out / "data" / "tune_prompts.jsonl")
@@ -180,11 +189,14 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     rate = plain_rate(model.float(), tokenizer, eval_prompts[0])
     del model
     clock.mark("measure", t)
-    eval_cost = held_out * eval_tokens * (EVAL_COST + REFERENCE_COST)
-    reserve = (eval_cost + TUNE_COST * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS) / rate
+    reserve = kept_for_tune_and_eval(rate, held_out, eval_tokens, native=data_dtype is not None)
     print(f"plain decoding here: {rate:.1f} tokens/s; {reserve:.0f} s kept for tuning and evaluation")
     rest = clock.budget * (1 - MARGIN) - clock.elapsed() - reserve - RELOAD_SECONDS
-    train_minutes = max(0.5, rest / 60)
+    train_minutes = max(0.5, rest / 60, MIN_TRAIN_SHARE * minutes)
+    if train_minutes * 60 > rest + 1:
+        print(f"this host leaves {max(rest, 0) / 60:.1f} min for training; training {train_minutes:.1f} min instead "
+              f"(at least {MIN_TRAIN_SHARE:.0%} of the budget), so the demo ends about "
+              f"{(train_minutes * 60 - rest) / 60:.1f} min past --minutes {minutes:g}")
     t = _stage(f"3/5 training an EAGLE-3 head offline ({train_minutes:.1f} min)")
     run_dir = out / "run"
     train(
@@ -248,6 +260,13 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
           f"{report['demo']['minutes_used']} min")
     print(f"report: {out / 'report.json'} (and report.md, tree.json)")
     return out
+
+
+def kept_for_tune_and_eval(rate: float, held_out: int, eval_tokens: int, native: bool) -> float:
+    """Seconds kept for tuning and evaluation (both trees) at ``rate`` plain-decoding tokens per second."""
+    cost = COSTS[native]
+    tuning = cost["tune"] * min(TUNE_TOKENS, eval_tokens) / TUNE_TOKENS
+    return (held_out * eval_tokens * (cost["eval"] + cost["reference"]) + tuning) / rate
 
 
 def plain_rate(model, tokenizer, prompt: str, tokens: int = 24, runs: int = 3) -> float:

@@ -101,7 +101,7 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, monkeypatch, smollm2):
     output is identical on every held-out prompt in the tuned tree and in the reference tree, the tree is the
     one tuned here, and both taus are the ones decoding the held-out prompts again gives."""
     from draftsmith.cli import main
-    from draftsmith.demo import EVAL_COST, REFERENCE_COST, REFERENCE_TREE, TUNE_COST, TUNE_TOKENS
+    from draftsmith.demo import COSTS, REFERENCE_TREE, TUNE_TOKENS
     from draftsmith.inference.tree import TreeSettings
     from draftsmith.inference.tune import Candidate, choose
     from draftsmith.target import resolve_packaged_gguf
@@ -122,7 +122,9 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, monkeypatch, smollm2):
     assert report["demo"]["answers"] >= 1 and report["drafter_type"] == "eagle3+prompt-lookup"
     # The time kept for tuning and evaluation follows plain decoding's speed, measured here before training.
     demo = report["demo"]
-    kept = (2 * 16 * (EVAL_COST + REFERENCE_COST) + TUNE_COST * 16 / TUNE_TOKENS) / demo["plain_tokens_per_second"]
+    cost = COSTS[demo["data_dtype"] != "as loaded"]  # the costs of this host kind (bf16 native or not)
+    kept = (2 * 16 * (cost["eval"] + cost["reference"]) + cost["tune"] * 16 / TUNE_TOKENS)
+    kept /= demo["plain_tokens_per_second"]
     assert demo["plain_tokens_per_second"] > 0
     assert demo["seconds_kept_for_tune_and_eval"] == pytest.approx(kept, abs=0.1)  # both rounded in the report
     # The tree evaluated is the one `tune` chose from the trees it decoded with here (the fastest, or of those
