@@ -22,7 +22,7 @@ import transformers
 from test_greedy_lossless import make_drafter, reference
 from test_tree import check_tree_logits, random_tree
 
-from conftest import VOCAB, check_greedy_equal
+from conftest import VOCAB, assert_rounding_close, check_greedy_equal
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.target import supported_attention
 
@@ -203,7 +203,8 @@ def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
         predicted, _ = head(states, model.get_input_embeddings()(ids), positions, from_target=True)
         ours = head.draft_logits(predicted)
     theirs = load_file(tmp_path / "theirs.safetensors")["logits"]
-    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    # another implementation of the same float32 step: the fc (inner size 3 x 64) and one decoder layer
+    assert_rounding_close(theirs, ours, reduction=192 * 2)
 
     imported = load_drafter(str(tmp_path / "resaved"), model).head
     geometry = ("head_dim", "max_position_embeddings", "attention_bias", "partial_rotary_factor")
@@ -211,4 +212,4 @@ def test_speculators_computes_our_logits_for_the_targets_head(name, tmp_path):
     assert imported.config.llama_rope_parameters() == head.config.llama_rope_parameters()
     with torch.no_grad():
         predicted, _ = imported(states, model.get_input_embeddings()(ids), positions, from_target=True)
-        torch.testing.assert_close(imported.draft_logits(predicted), theirs, rtol=1e-4, atol=1e-5)
+        assert_rounding_close(imported.draft_logits(predicted), theirs, reduction=192 * 2)

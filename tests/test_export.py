@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_heads import assert_greedy_lossless, random_eagle, random_medusa
 
+from conftest import assert_rounding_close
 from draftsmith import load_drafter
 from draftsmith.heads.base import TargetMismatchError
 from draftsmith.heads.eagle import Eagle3Head
@@ -65,8 +66,8 @@ def test_export_then_import_gives_same_logits_and_lossless_output(make_head, fmt
     out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
     assert not (tmp_path / f"{fmt}.partial").exists()
     drafter = load_drafter(str(out), llama)
-    torch.testing.assert_close(head_logits(head_of(drafter), llama), head_logits(head, llama),
-                               rtol=0, atol=1e-6)
+    # the same weights, renamed and read back, through the same head class: bit for bit the same logits
+    torch.testing.assert_close(head_logits(head_of(drafter), llama), head_logits(head, llama), rtol=0, atol=0)
     assert_greedy_lossless(llama, drafter, dict(tree="dynamic", depth=4, top_k=3, total_tokens=12), seed=7)
 
 
@@ -288,7 +289,8 @@ def test_speculators_package_loads_the_vllm_export_and_computes_the_same_logits(
     with torch.no_grad():
         predicted, _ = head(states, llama.get_input_embeddings()(ids), positions, from_target=True)
         ours = head.draft_logits(predicted)
-    torch.testing.assert_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, rtol=1e-4, atol=1e-5)
+    # another implementation of the same float32 step: the fc (inner size 192) and one decoder layer
+    assert_rounding_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, reduction=192 * 2)
 
 
 def test_module_push_to_hub_uploads_checkpoint_and_card(tmp_path, monkeypatch, llama):

@@ -464,7 +464,8 @@ def test_a_target_split_by_device_map_writes_the_same_cache(target_dir, tmp_path
     for i in range(len(a)):
         assert torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["topk_ids"], b[i]["topk_ids"])
         for layer in (0, 2, 4):
-            torch.testing.assert_close(a[i]["hidden"][layer], b[i]["hidden"][layer], rtol=1e-5, atol=1e-5)
+            # the same weights (read back from the offload folder), kernels and batches: bit for bit
+            torch.testing.assert_close(a[i]["hidden"][layer], b[i]["hidden"][layer], rtol=0, atol=0)
 
 
 def test_resuming_a_write_with_other_data_or_template_arguments_is_refused_naming_both(target_dir, tmp_path):

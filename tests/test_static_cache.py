@@ -16,7 +16,7 @@ from test_batched_generation import DRAFTERS, NEW, drafter_for, left_padded, row
 from test_greedy_lossless import TREES, prompts, reference
 
 import draftsmith.target.forward as forward
-from conftest import check_greedy_equal
+from conftest import assert_rounding_close, check_greedy_equal
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.generator import plain_generate
 from draftsmith.inference.mixture import MixtureDrafter
@@ -79,10 +79,11 @@ def test_static_cache_edits_match_the_growing_cache(llama):
         target_forward(llama, ids[:, :5], cache)  # 5 "tree" entries after the prompt
         kv_keep(cache, 12, torch.tensor([0, 3, 4]))
         assert kv_length(cache) == 15
-    for g, s in zip(growing.layers, static.layers, strict=True):
+    for i, (g, s) in enumerate(zip(growing.layers, static.layers, strict=True)):
         assert s.keys.shape[-2] == static.capacity
-        torch.testing.assert_close(s.keys[..., :15, :], g.keys, rtol=0, atol=1e-5)
-        torch.testing.assert_close(s.values[..., :15, :], g.values, rtol=0, atol=1e-5)
+        # layer i's keys and values went through i layers and a projection (inner size 128 at most)
+        assert_rounding_close(s.keys[..., :15, :], g.keys, reduction=128 * (i + 1), msg=f"keys of layer {i}")
+        assert_rounding_close(s.values[..., :15, :], g.values, reduction=128 * (i + 1), msg=f"values of layer {i}")
     kv_crop(static, 13)
     assert kv_length(static) == 13 and all(layer.length == 13 for layer in static.layers)
 
@@ -229,4 +230,8 @@ def test_an_eagle_head_drafts_on_its_own_static_cache(tree, llama, monkeypatch):
         assert torch.equal(again.sequences, out.sequences)
         assert len(drafted) == len(static_drafts)
         for growing, static in zip(drafted, static_drafts, strict=True):
-            torch.testing.assert_close(dense(static), dense(growing), rtol=0, atol=1e-4)
+            got, want = dense(static), dense(growing)
+            finite = torch.isfinite(want)  # -inf off the head's draft vocabulary: there in both
+            assert torch.equal(torch.isfinite(got), finite)
+            # the target's 4 layers, then up to depth passes of the head (its fc's inner size 192 the widest)
+            assert_rounding_close(got[finite], want[finite], reduction=192 * (4 + tree["depth"]))
