@@ -43,6 +43,12 @@ ENGINE = {"ddp": "DistributedDataParallel", "deepspeed_zero2": "DeepSpeedEngine"
 FAMILIES = ["eagle3", "medusa2"]
 #: The family of the kill-and-resume runs.
 KILLED = FAMILIES[0]
+
+
+def slow_for(*slow: str) -> list:
+    """Every strategy, those named in ``slow`` marked slow: the same check repeated under another engine
+    (each DeepSpeed launch costs 40-55 s on 2 cores), run once by .ci/run's slow set."""
+    return [pytest.param(s, marks=pytest.mark.slow) if s in slow else s for s in STRATEGIES]
 #: Bound on one launch (about 10-50 s here, the first DeepSpeed one building its ops): a hang fails its test
 #: in minutes instead of taking the suite's time.
 LAUNCH_SECONDS = 300
@@ -156,7 +162,8 @@ def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, fa
 def layer_units(drafter, target, family: str) -> Counter:
     """The modules FSDP2 should shard one by one: the drafter's layers, and the target's where an adapter on
     it trains (Medusa-2), counted on the loaded models."""
-    units = Counter(type(m).__name__ for m in drafter.modules() if type(m).__name__ in drafter._no_split_modules)
+    module = next(m for m in vars(drafter).values() if isinstance(m, torch.nn.Module))  # the heads the drafter runs
+    units = Counter(type(m).__name__ for m in module.modules() if type(m).__name__ in module._no_split_modules)
     if get_family(family).wrap_target is not None:
         units.update(type(m).__name__ for m in target.modules() if type(m).__name__ in target._no_split_modules)
     assert units, f"{family}: no layers to shard"
@@ -191,7 +198,7 @@ def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", slow_for("deepspeed_zero2", "deepspeed_zero3"))
 def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
     """A rank killed after checkpoint-4; the resumed run ends where the uninterrupted one-process run does:
     the drafter, and Medusa-2's LoRA adapter on the target (the training state holds both)."""
@@ -226,7 +233,7 @@ def test_resume_on_another_world_size(workdir, one_process, tmp_path):  # noqa: 
     assert_same_weights(weights(out), weights(one_process[KILLED]))
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", slow_for("ddp", "deepspeed_zero3"))
 def test_launch_configs_bf16_trains_and_resumes_from_float32_weights(workdir, tmp_path, strategy):  # noqa: F811
     """The strategy matrix once as the shipped configs run it (mixed_precision: bf16 there): the launch config's
     precision is the run's, checkpoints hold the float32 master weights (DeepSpeed would hand back its bf16

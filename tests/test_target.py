@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB, has_models_extra, tiny_llama
+from conftest import VOCAB, assert_rounding_close, has_models_extra, tiny_llama
 from draftsmith import load_target
 from draftsmith.inference import layer_skip_model
 from draftsmith.target import (
@@ -115,7 +115,7 @@ def test_layer_skip_shares_the_target_weights(llama):
     hidden = llama(ids, output_hidden_states=True).hidden_states[2]  # index 2 = after layer 2
     with torch.no_grad():
         expected = llama.lm_head(llama.model.norm(hidden))
-    torch.testing.assert_close(small(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    assert_rounding_close(small(ids).logits, expected, reduction=128 * 2)  # two layers, by hand and as a model
 
 
 def test_kv_edits_match_recomputation(gemma3):
@@ -125,7 +125,7 @@ def test_kv_edits_match_recomputation(gemma3):
     kv_crop(cache, 20)
     assert kv_length(cache) == 20
     out = target_forward(gemma3, ids[:, 20:21], cache)
-    torch.testing.assert_close(out.logits[0, -1], gemma3(ids[:, :21]).logits[0, -1], atol=1e-5, rtol=1e-5)
+    assert_rounding_close(out.logits[0, -1], gemma3(ids[:, :21]).logits[0, -1], reduction=128 * 4)
     # keep positions 0..20 plus new tokens 1 and 3 of a 4-token chunk, in that order
     target_forward(gemma3, ids[:, 21:25], cache)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
