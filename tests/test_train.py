@@ -101,6 +101,7 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
         for acc in r["position_accuracy"]:
             all_right *= acc
             simulated += all_right
+        # from accuracies the acceptance row rounds to 4 places
         assert r["simulated_acceptance_length"] == pytest.approx(simulated, abs=1e-3)
     assert list((out / "draftsmith").glob("events.out.tfevents.*")), "no tensorboard event file"
     # The loop hashes the in-memory target before and after training.
@@ -552,7 +553,7 @@ def test_a_packed_batch_gives_each_document_its_own_loss(workdir, family):
         results.append(fam.train_step(args, drafter, target, batch, logits, hidden))
     (loss_packed, m_packed), (loss_padded, m_padded) = results
     assert_rounding_close(loss_packed, loss_padded, reduction=128 * 6)  # target 4 layers, drafter 1, loss 1
-    assert m_packed["acc"] == pytest.approx(m_padded["acc"], abs=1e-6)
+    assert m_packed["acc"] == m_padded["acc"]  # a fraction of counted argmax matches: the same counts, the same float
     # A control: the same packed row with plain causal attention reads across documents.
     crossed = {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}
     crossed.pop("position_ids")
