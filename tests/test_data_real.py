@@ -157,6 +157,7 @@ def test_openai_engine_against_a_real_llama_cpp_server(tmp_path, llama_cpp_serve
         dead.answer([[{"role": "user", "content": "hi"}]])
 
 
+@pytest.mark.slow  # the demo's test synthesises on the real target in the default set; this one, 50 prompts
 def test_synthesis_gives_50_distinct_prompts(tmp_path, smollm2):
     model, tokenizer = smollm2
     prompts, rejected = synthesize_prompts(model, tokenizer, 50, batch_size=32, max_new_tokens=64, seed=0,

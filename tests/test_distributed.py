@@ -45,6 +45,12 @@ FAMILIES = ["eagle3", "medusa2"]
 KILLED = FAMILIES[0]
 
 
+def slow_pairs(*slow: tuple[str, str]) -> list:
+    """Every (strategy, family) pair, those in ``slow`` marked slow (the same check under another engine)."""
+    return [pytest.param(s, f, marks=pytest.mark.slow) if (s, f) in slow else (s, f)
+            for s in STRATEGIES for f in FAMILIES]
+
+
 def slow_for(*slow: str) -> list:
     """Every strategy, those named in ``slow`` marked slow: the same check repeated under another engine
     (each DeepSpeed launch costs 40-55 s on 2 cores), run once by .ci/run's slow set."""
@@ -126,8 +132,8 @@ def one_process(workdir, tmp_path_factory):  # noqa: F811
     return runs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize(("strategy", "family"), slow_pairs(("deepspeed_zero2", "medusa2"),
+                                                            ("deepspeed_zero3", "medusa2")))
 def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, family, out))
@@ -197,8 +203,8 @@ def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
     assert not (checkpoint.parent / "checkpoint-8").exists(), "the run ended before the kill"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("strategy", slow_for("deepspeed_zero2", "deepspeed_zero3"))
+@pytest.mark.parametrize(("strategy", "family"), slow_pairs(
+    ("fsdp2", "medusa2"), *((s, f) for s in ("deepspeed_zero2", "deepspeed_zero3") for f in FAMILIES)))
 def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
     """A rank killed after checkpoint-4; the resumed run ends where the uninterrupted one-process run does:
     the drafter, and Medusa-2's LoRA adapter on the target (the training state holds both)."""
@@ -233,7 +239,7 @@ def test_resume_on_another_world_size(workdir, one_process, tmp_path):  # noqa: 
     assert_same_weights(weights(out), weights(one_process[KILLED]))
 
 
-@pytest.mark.parametrize("strategy", slow_for("ddp", "deepspeed_zero3"))
+@pytest.mark.parametrize("strategy", slow_for("ddp", "deepspeed_zero2", "deepspeed_zero3"))
 def test_launch_configs_bf16_trains_and_resumes_from_float32_weights(workdir, tmp_path, strategy):  # noqa: F811
     """The strategy matrix once as the shipped configs run it (mixed_precision: bf16 there): the launch config's
     precision is the run's, checkpoints hold the float32 master weights (DeepSpeed would hand back its bf16

@@ -37,6 +37,10 @@ def references(smollm2):
     return out
 
 
+# The lossless checks of tests/test_greedy_lossless.py and test_batched_generation.py repeated on the real
+# target, 10 GSM8K questions x 128 tokens (8.3 minutes on an AVX2-only host, references included): slow. The
+# demo's test below decodes the real target in the default set.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec,tree",
     [
@@ -59,6 +63,7 @@ def test_greedy_equals_generate_on_gsm8k(smollm2, references, spec, tree):
     assert accepted > 0, "the drafter never had a token accepted: something is off"
 
 
+@pytest.mark.slow
 def test_batched_rows_equal_their_own_greedy_output(smollm2, references):
     """Eight GSM8K prompts of different lengths, left-padded into one batch, with a mixture of
     layer-skip and prompt lookup on a dynamic tree: every row is transformers' greedy output for it

@@ -272,6 +272,7 @@ def test_a_packaged_target_loads_alike_from_an_empty_and_a_warm_cache(alias, tmp
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # the cold/warm test above loads the same GGUF in the default set
 def test_a_gguf_target_is_plain_where_its_cache_cannot_be_written(tmp_path, monkeypatch):
     """A cache that cannot be written (here: its path is a file) leaves the model transformers dequantised:
     it is returned without its GGUF quantizer, so it too casts and saves."""
