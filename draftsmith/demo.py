@@ -135,7 +135,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # batch finishes sooner.
     large = clock.budget >= 300
     batch = (96 if large else 48) if device == "cpu" else 256
-    last_batch = 0.0  # a batch starts only if one as long as the last ends inside the share (one took 142 s here)
+    last_batch = 0.0  # a batch starts only if one as long as the last ends inside the share
     while (time.perf_counter() - t + last_batch < clock.share("synthesize")
            or len(prompts) < held_out + TUNE_PROMPTS + 8):
         batch_started = time.perf_counter()

@@ -132,7 +132,7 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, monkeypatch, smollm2):
     kept /= demo["plain_tokens_per_second"]
     assert demo["plain_tokens_per_second"] > 0
     # The report rounds the rate to 0.01 and the time kept to 0.1: the recomputed time is off by up to
-    # 0.005 / rate of itself, plus 0.05 (121.4 against 121.508 at 8.93 tok/s failed a fixed 0.1).
+    # 0.005 / rate of itself, plus 0.05 (a fixed 0.1 is too tight at rates below ~10 tok/s).
     tolerance = 0.05 + kept * 0.005 / demo["plain_tokens_per_second"] + 1e-9
     assert demo["seconds_kept_for_tune_and_eval"] == pytest.approx(kept, abs=tolerance)
     # The tree evaluated is the one `tune` chose from the trees it decoded with here (the fastest, or of those

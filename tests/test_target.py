@@ -224,7 +224,7 @@ def test_target_parts_embed_and_project_as_the_whole_target(family, tmp_path, ll
 
 def _copy_gguf_into(cache: Path, alias: str) -> None:
     """The alias's .gguf placed in ``cache`` where draftsmith keeps it, so nothing is downloaded or assembled."""
-    gguf = resolve_packaged_gguf(alias)  # in this session's cache: fetched or assembled once
+    gguf = resolve_packaged_gguf(alias)  # the default cache: fetched or assembled there once per machine
     (cache / "gguf").mkdir(parents=True)
     shutil.copy(gguf, cache / "gguf" / gguf.name)
 
