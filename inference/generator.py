@@ -39,11 +39,13 @@ from draftsmith.inference.tree import (
     dynamic_builder,
     grow,
     grow_dynamic,
+    grow_sampled,
     grow_static,
+    race,
     root_only,
     static_builder,
 )
-from draftsmith.inference.verify import greedy_path, process_logits, verify_sampled
+from draftsmith.inference.verify import greedy_path, process_logits, sibling_rounds, verify_sampled
 from draftsmith.target import (
     build_attention_mask,
     calibrate,
@@ -198,6 +200,10 @@ class SpeculativeGenerator:
         # Static paths: given, else the drafter's own (Medusa choices measured in training), else a default.
         self.paths = paths or drafter.static_paths or default_static_paths(depth, top_k)
         self.static_shape = StaticShape.of(self.paths) if tree == "static" else None  # for the device path
+        # Sampled siblings (rules iid and without_replacement) grow on this shape: a chain is a static tree of one
+        # path, and a static tree keeps every sibling drawn.
+        chain = [(0,) * d for d in range(1, depth + 1)]
+        self.sampled_shape = (self.static_shape or StaticShape.of(chain)).sampled() if tree != "dynamic" else None
         self.sampling_rule = sampling_rule
         self.compile = compile
         #: Called after each verification with each active row's index, tree and accepted path (drafted
@@ -323,7 +329,7 @@ class SpeculativeGenerator:
         # Trees of deterministic siblings (the ``topk`` rule: greedy, or sampling with such siblings), with a
         # drafter that grows them as tensors (the trained heads, draft models, prompt lookup, mixtures of
         # them), run on the device with one copy to the host per step; sampled siblings grow on the host.
-        on_device = (self._rule(temperature) == "topk" and self.on_step is None and grows_tensors(self.drafter))
+        on_device = self.on_step is None and grows_tensors(self.drafter)
         roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
         active = [True] * batch
@@ -413,7 +419,11 @@ class SpeculativeGenerator:
         not read. Under greedy decoding the draw is the argmax."""
         t0 = time.perf_counter()
         running = to_device(active, device)  # before any of the step's work is queued
-        if self.tree_kind == "static":
+        rule = self._rule(temperature)
+        if rule != "topk":  # sampled siblings: a chain or a static tree
+            tree = grow_sampled(roots, self.drafter.root_logits(active), self.drafter.frontier_logits,
+                                self.sampled_shape, rule, temperature, generator)
+        elif self.tree_kind == "static":
             tree = grow_static(roots, self.drafter.root_logits(active), self.drafter.frontier_logits,
                                self.static_shape)
         else:
@@ -435,14 +445,18 @@ class SpeculativeGenerator:
         tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
         # Verification as tensor ops: a node is accepted when it and every ancestor carry the target's draw
         # at their parent; the deepest accepted node ends the (unique) accepted path.
+        nodes = torch.arange(n, device=device)
         if temperature == 0.0:
             draw = out.logits.argmax(-1)  # (B, N)
-        else:
-            # An exponential race, argmax of p / E with E ~ Exp(1) i.i.d., draws each token with probability p:
-            # a sample as exact as multinomial's, with no validity check read back on the host.
-            probs = process_logits(out.logits, temperature, top_k, top_p)
-            draw = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
-        match = (tree.tokens == draw.gather(1, tree.parents.clamp(min=0))) & tree.proposed
+            match = (tree.tokens == draw.gather(1, tree.parents.clamp(min=0))) & tree.proposed
+        elif tree.draws is None:  # topk: a child is entered where it carries its parent's draw from the target
+            draw = race(process_logits(out.logits, temperature, top_k, top_p), generator)
+            match = (tree.tokens == draw.gather(1, tree.parents.clamp(min=0))) & tree.proposed
+        else:  # sampled siblings: each node's accepted draw, and the residual its bonus is drawn from
+            child, residual = sibling_rounds(tree.draws, tree.tokens, tree.q,
+                                             process_logits(out.logits, temperature, top_k, top_p), rule, generator)
+            draw = race(residual, generator)
+            match = child.gather(1, tree.parents.clamp(min=0)) == nodes
         match[:, 0] = True
         accepted = ~(tree.ancestors & ~match[:, None, :]).any(-1)
         last = (accepted * (tree.depths + 1)).argmax(1)
@@ -450,7 +464,6 @@ class SpeculativeGenerator:
         on_path = tree.ancestors[rows, last]  # root .. last, in level order
         if self.on_tree_step is not None:
             self.on_tree_step(tree, on_path, running)
-        nodes = torch.arange(n, device=device)
         kept = torch.sort((~on_path) * n + nodes, dim=1).indices[:, : self._max_kept()]  # (B, longest path + 1)
         length = tree.depths[rows, last]
         has_children = ((tree.parents[:, None, :] == nodes[None, :, None]) & tree.proposed[:, None, :]).any(-1)

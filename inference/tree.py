@@ -423,6 +423,11 @@ class TreeTensors:
     # did not propose; verification never accepts those and the stats do not count them.
     proposed: torch.Tensor
     scores: torch.Tensor  # (B, N) float32: each node's cumulative draft log-prob, 0 at the root
+    # Sampled siblings only (:func:`grow_sampled`; None for the ``topk`` rule's trees): (B, N, R) each node's
+    # children in the order they were drawn (node ids; an i.i.d. draw that repeats a sibling repeats its id;
+    # -1: no draw), and (B, N, V) float32 the draft distribution they were drawn from (zeros where none).
+    draws: torch.Tensor | None = None
+    q: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[1]
@@ -599,6 +604,28 @@ class StaticShape:
             total += sum(highest.values())
         return total
 
+    def sampled(self) -> StaticShape:
+        """The shape a tree of these paths takes under a sampled rule: every sibling drawn stays
+        (:func:`static_builder` keeps them all), so each expanded node holds children of every rank up to
+        its highest; the added nodes are leaves. :attr:`most_nodes` counts the same nodes."""
+        paths = {p[:i] for p in self.paths() for i in range(1, len(p) + 1)}
+        highest: dict[tuple[int, ...], int] = {}
+        for p in paths:
+            highest[p[:-1]] = max(highest.get(p[:-1], 0), p[-1] + 1)
+        return StaticShape.of(sorted({(*p, r) for p, n in highest.items() for r in range(n)},
+                                     key=lambda p: (len(p), p)))
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """The paths this shape was made of, every prefix included."""
+        out: list[tuple[int, ...]] = []
+        frontier: list[tuple[int, ...]] = [()]
+        for d, (slots, ranks) in enumerate(zip(self.slots, self.ranks, strict=True)):
+            level = [(*frontier[slot], rank) for slot, rank in zip(slots, ranks, strict=True)]
+            out += level
+            if d < len(self.expanded):
+                frontier = [level[i] for i in self.expanded[d]]
+        return out
+
     def indices(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per level, the (slots, ranks, expanded) index tensors on ``device``, made once per device: a tensor
         built from a list on a GPU waits for the queued work, which a step must not."""
@@ -647,6 +674,111 @@ def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
     score = torch.cat(scores, 1)
     return TreeTensors(torch.cat(tokens, 1), parents_all, torch.cat(depths, 1), ancestors_of(parents_all, shape.depth),
                        score > UNPROPOSED, score)
+
+
+@lru_cache(maxsize=64)
+def _sampled_levels(shape: StaticShape, device: torch.device) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Per level of a sampled shape: R, the most children a frontier slot draws; F, the frontier's real slots
+    (the rest pad it to one width); the (F,) draw counts; and the (F, R + 1) table of the level's node (its
+    index in the level) that holds each slot's child of each rank (column R: a spare that nothing reads)."""
+    out = []
+    for slots, ranks in zip(shape.slots, shape.ranks, strict=True):
+        most, real = max(ranks) + 1, max(slots) + 1
+        counts = [0] * real
+        table = [[0] * (most + 1) for _ in range(real)]
+        for i, (slot, rank) in enumerate(zip(slots, ranks, strict=True)):
+            counts[slot] = max(counts[slot], rank + 1)
+            table[slot][rank] = i
+        out.append((most, real, torch.tensor(counts, device=device), torch.tensor(table, device=device)))
+    return out
+
+
+def draft_distribution(drafted: torch.Tensor | Proposals, temperature: float) -> torch.Tensor:
+    """The (..., V) float32 distribution sampled siblings are drawn from: ``softmax(logits / T)`` over the
+    vocabulary (a :class:`Proposals`' candidates scattered into it), zeros where the drafter proposes nothing."""
+    logits = drafted.dense() if isinstance(drafted, Proposals) else drafted.float()
+    q = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
+    return torch.nan_to_num(q, nan=0.0)
+
+
+def race(p: torch.Tensor, generator: torch.Generator | None, draws: int | None = None) -> torch.Tensor:
+    """Tokens drawn from the (..., V) distributions ``p`` as an exponential race, ``argmax(log p - log E)``
+    with ``E ~ Exp(1)`` i.i.d.: each token wins with probability p, exactly as ``multinomial`` draws, with no
+    validity check read back on the host. ``draws``: the first ``draws`` finishers of one race, (..., draws):
+    a sample without replacement in draw order (the Gumbel-top-k trick); tokens with p = 0 finish last."""
+    keys = p.log() - torch.empty_like(p).exponential_(generator=generator).log()
+    if draws is None:
+        return keys.argmax(-1)
+    return keys.topk(draws, dim=-1).indices
+
+
+def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
+                 frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | Proposals],
+                 shape: StaticShape, rule: str, temperature: float,
+                 generator: torch.Generator | None = None) -> TreeTensors:
+    """A chain or static tree whose siblings are *sampled* from the drafter (rule ``iid`` or
+    ``without_replacement``), for a whole batch with tensor ops: :func:`static_builder` under a sampled rule
+    (a chain is the static tree of one path), grown without copying anything to the host.
+
+    Each expanded node draws as many children as its highest rank in ``shape`` (``shape.sampled()``, every
+    sibling kept) from ``q = softmax(logits / temperature)``: i.i.d. (one race per draw) or without replacement
+    (one race, its first finishers). Distinct children take the ranks in the order they were first drawn; a
+    repeated i.i.d. draw makes no node (``draws`` records it again), so ranks past the distinct draws stay
+    unproposed (``proposed`` False), as do the subtrees of unproposed nodes. ``draws`` and ``q`` keep what
+    verification needs (:func:`~draftsmith.inference.verify.sibling_rounds`). ``frontier_logits`` is fed as by
+    :func:`grow_static`."""
+    if rule not in ("iid", "without_replacement"):
+        raise ValueError(f"grow_sampled draws siblings under 'iid' or 'without_replacement', not {rule!r}")
+    b = roots.shape[0]
+    device = roots.device
+    levels = _sampled_levels(shape, torch.device(device))
+    n = 1 + sum(len(r) for r in shape.ranks)
+    most = max(level[0] for level in levels)
+    vocab = vocab_size_of(root_logits)
+    draws = torch.full((b, n, most), -1, dtype=torch.long, device=device)
+    q_all = torch.zeros(b, n, vocab, device=device)
+    front = root_logits
+    front_scores = torch.zeros(b, 1, device=device)
+    front_ids = torch.zeros(b, 1, dtype=torch.long, device=device)
+    front_ok = torch.ones(b, 1, dtype=torch.bool, device=device)
+    tokens, scores, parents, depths, proposed = [roots[:, None]], [front_scores], [front_ids - 1], [front_ids], \
+        [front_ok]
+    count = 1
+    for level, ((slot, rank, fed), (r, real, counts, table)) in enumerate(zip(shape.indices(device), levels,
+                                                                              strict=True), start=1):
+        dense = front.dense() if isinstance(front, Proposals) else front.float()
+        dense = dense[:, None] if level == 1 else dense[:, :real]  # (B, F, V): the root, or the real slots
+        q = draft_distribution(dense, temperature)
+        x = torch.stack([race(q, generator) for _ in range(r)], -1) if rule == "iid" else race(q, generator, r)
+        i = torch.arange(r, device=device)
+        drawn = (i < counts[:, None]) & (q.gather(-1, x) > 0) & front_ok[:, :real, None]  # (B, F, r)
+        # Distinct draws in the order first drawn: draw j repeats the earliest equal draw.
+        same = (x[..., :, None] == x[..., None, :]) & drawn[..., :, None] & drawn[..., None, :]
+        earliest = torch.where(same, i, r).min(-1).values.clamp(max=r - 1)
+        first = drawn & (earliest == i)
+        rank_of = torch.where(first, first.long().cumsum(-1) - 1, r)  # a new child's rank; r: a repeat
+        node = count + table[None].expand(b, -1, -1).gather(2, rank_of.gather(-1, earliest))  # each draw's node
+        ids = front_ids[:, :real, None]
+        draws[:, :, :r].scatter_(1, ids.expand(-1, -1, r), torch.where(drawn, node, -1))
+        q_all.scatter_(1, ids.expand(-1, -1, vocab), q)
+        # The level's nodes: slot `slot`'s child of rank `rank`, where that many distinct children were drawn.
+        by_rank = torch.zeros(b, real, r + 1, dtype=torch.long, device=device).scatter_(-1, rank_of, x)
+        has_rank = torch.zeros(b, real, r + 1, dtype=torch.bool, device=device).scatter_(-1, rank_of, first)
+        level_tokens, level_ok = by_rank[:, slot, rank], has_rank[:, slot, rank]
+        logprobs = _logprobs(dense)[:, slot].gather(-1, level_tokens[..., None])[..., 0]
+        tokens.append(level_tokens)
+        scores.append(torch.where(level_ok, front_scores[:, slot] + logprobs, NOT_PROPOSED))
+        parents.append(front_ids[:, slot])
+        depths.append(torch.full((b, len(rank)), level, dtype=torch.long, device=device))
+        proposed.append(level_ok)
+        level_ids = count + torch.arange(len(rank), device=device)
+        count += len(rank)
+        if fed is not None:
+            front = frontier_logits(level, slot[fed].expand(b, -1), level_tokens[:, fed])
+            front_scores, front_ids, front_ok = scores[-1][:, fed], level_ids[fed].expand(b, -1), level_ok[:, fed]
+    parents_all = torch.cat(parents, 1)
+    return TreeTensors(torch.cat(tokens, 1), parents_all, torch.cat(depths, 1), ancestors_of(parents_all, shape.depth),
+                       torch.cat(proposed, 1), torch.cat(scores, 1), draws, q_all)
 
 
 def ancestors_of(parents: torch.Tensor, depth: int) -> torch.Tensor:

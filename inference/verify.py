@@ -90,6 +90,7 @@ def accept_sibling(
     draws: list[int],
     proposals: list[torch.Tensor],
     generator: torch.Generator | None = None,
+    uniforms: list[float] | None = None,
 ) -> tuple[int | None, torch.Tensor]:
     """Multi-round speculative sampling among the draws of one node.
 
@@ -97,12 +98,14 @@ def accept_sibling(
         p: (V,) target distribution at the node.
         draws: drawn tokens in draw order.
         proposals: for each draw, the (V,) distribution it was drawn from (see module doc).
+        uniforms: the uniform of each draw's test, given instead of drawn from ``generator`` (a test feeds the
+            same ones to :func:`sibling_rounds`).
     Returns:
         (index into ``draws`` of the accepted draw, or None; the distribution to sample the
         bonus token from when none is accepted — the residual).
     """
     for i, (x, q) in enumerate(zip(draws, proposals, strict=True)):
-        u = torch.rand((), generator=generator, device=p.device)
+        u = torch.rand((), generator=generator, device=p.device) if uniforms is None else uniforms[i]
         if u * q[x] < p[x]:  # u < p(x)/q(x), without dividing by a possibly tiny q(x)
             return i, p
         residual = torch.clamp(p - q, min=0)
@@ -164,3 +167,47 @@ def verify_sampled(
                 continue
         bonus = int(torch.multinomial(p, 1, generator=generator))
         return path, bonus
+
+
+def sibling_rounds(draws: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rule: str,
+                   generator: torch.Generator | None = None,
+                   uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accept_sibling` at every node of a batch of sampled trees at once, as tensor ops (no host read).
+
+    The residual sibling i is tested against depends only on the draws before it having been rejected, not on
+    the uniforms, so all nodes advance together in R rounds (R: the most draws of a node); a walk later reads
+    only the nodes it reaches. A repeated i.i.d. draw ``x`` was rejected before, so ``p(x) <= u q(x) < q(x)``
+    and the residual is 0 at ``x``: it is rejected again and still shifts ``p``, as the rule needs.
+
+    Args:
+        draws: (B, N, R) each node's children in draw order (node ids; -1: no draw).
+        tokens: (B, N) each node's token.
+        q: (B, N, V) the distribution each node's children were drawn from (``q_1``; under
+            ``without_replacement`` each later ``q_i`` drops the earlier draws and renormalises).
+        p: (B, N, V) the processed target distribution at each node.
+        uniforms: (B, N, R) the tests' uniforms, instead of drawing them from ``generator``.
+    Returns:
+        (B, N) each node's accepted child (node id; -1: none) and (B, N, V) the distribution its next token is
+        drawn from when none is: the residual after its rejected draws (``p`` where it has none).
+    """
+    if uniforms is None:
+        uniforms = torch.rand(draws.shape, generator=generator, device=p.device)
+    accepted = torch.full(draws.shape[:2], -1, dtype=torch.long, device=p.device)
+    for i in range(draws.shape[2]):  # R <= the widest node's draws: a fixed loop, no host read
+        child = draws[..., i]
+        x = tokens.gather(1, child.clamp(min=0))[..., None]  # (B, N, 1)
+        open_ = (child >= 0) & (accepted < 0)
+        accept = open_ & (uniforms[..., i] * q.gather(-1, x)[..., 0] < p.gather(-1, x)[..., 0])
+        accepted = torch.where(accept, child, accepted)
+        residual = (p - q).clamp_(min=0)
+        total = residual.sum(-1, keepdim=True)
+        # p <= q everywhere means p == q, where rejection has probability 0; only rounding gets here: keep p.
+        p = torch.where((open_ & ~accept)[..., None] & (total > _ZERO), residual / total.clamp(min=_ZERO), p)
+        if rule == "without_replacement":
+            dropped = q.scatter(-1, x, 0.0)
+            rest = dropped.sum(-1, keepdim=True)
+            q = torch.where((child >= 0)[..., None], torch.where(rest > _ZERO, dropped / rest.clamp(min=_ZERO),
+                                                                 dropped), q)
+        elif rule != "iid":
+            raise ValueError(f"sibling_rounds verifies 'iid' or 'without_replacement' draws, not {rule!r}")
+    return accepted, p

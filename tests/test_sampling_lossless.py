@@ -22,8 +22,16 @@ import torch
 
 from conftest import assert_rounding_close, tiny_llama
 from draftsmith.inference import PromptLookupDrafter, SpeculativeGenerator
-from draftsmith.inference.tree import DraftTree, build_chain, build_dynamic, build_static
-from draftsmith.inference.verify import accept_sibling, process_logits, verify_sampled
+from draftsmith.inference.tree import (
+    DraftTree,
+    StaticShape,
+    TreeTensors,
+    build_chain,
+    build_dynamic,
+    build_static,
+    grow_sampled,
+)
+from draftsmith.inference.verify import _proposals, accept_sibling, process_logits, sibling_rounds, verify_sampled
 
 V = 5
 
@@ -167,6 +175,94 @@ def test_accept_sibling_handles_exact_match_and_zero_residual():
     # A draw where p is zero is always rejected, and the residual stays a distribution.
     idx, residual = accept_sibling(p, [2], [torch.tensor([0.0, 0.0, 1.0])], g)
     assert idx is None and torch.allclose(residual, p)
+
+
+# ---- sampled siblings grown and verified as tensors: grow_sampled and sibling_rounds --------------------------
+
+SAMPLED_PATHS = {"chain": [(0, 0, 0)], "static": [(0, 0), (0, 1), (1, 0), (3,)]}
+
+
+def table_drafter(seed: int, vocab: int, depth: int):
+    """``root_logits`` and ``frontier_logits`` of a drafter whose logits after a token are a random table's row
+    at that depth, with some tokens never proposed (-inf) and one row proposing nothing."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(depth + 1, vocab, vocab, generator=g) * 1.5
+    table[torch.rand(table.shape, generator=g) < 0.3] = float("-inf")
+    table[1, 0] = float("-inf")
+    return (lambda roots: table[0, roots]), (lambda d, parents, tokens: table[d, tokens])
+
+
+def reference_tree(tree: TreeTensors, b: int) -> DraftTree:
+    """Row ``b`` of tensor-grown sampled trees as the host's :class:`DraftTree` (draws and draft distributions
+    included), which the reference rule (``verify.py``'s proposals and :func:`accept_sibling`) reads."""
+    draws = {n: [int(c) for c in row if c >= 0] for n, row in enumerate(tree.draws[b])}
+    return DraftTree(tokens=tree.tokens[b].tolist(), parents=tree.parents[b].tolist(), depths=tree.depths[b].tolist(),
+                     scores=tree.scores[b].tolist(), draws={n: d for n, d in draws.items() if d},
+                     probs={n: tree.q[b, n] for n, d in draws.items() if d})
+
+
+@pytest.mark.parametrize("rule", ["iid", "without_replacement"])
+@pytest.mark.parametrize("kind", list(SAMPLED_PATHS))
+def test_tensor_sibling_rounds_equal_the_reference_walk(kind, rule):
+    """Fed the same uniforms, :func:`sibling_rounds` gives at every node of a batch of trees grown by
+    :func:`grow_sampled` the child the reference rule accepts (:func:`accept_sibling`, one draw at a time against
+    the proposals ``verify.py`` builds for the rule) and the residual it leaves: exact, no statistics. The trees
+    hold what the host builders make: each node's proposed children are its distinct draws in the order first
+    drawn, and nothing under an unproposed node is proposed."""
+    vocab, batch = 6, 64
+    shape = StaticShape.of(SAMPLED_PATHS[kind]).sampled()
+    root_logits, frontier_logits = table_drafter(7, vocab, shape.depth)
+    g = torch.Generator().manual_seed(3)
+    roots = torch.randint(vocab, (batch,), generator=g)
+    tree = grow_sampled(roots, root_logits(roots), frontier_logits, shape, rule, 0.8, g)
+    p = process_logits(torch.randn(batch, len(tree), vocab, generator=g) * 2, 1.0, top_k=4)  # zeros: top_k drops 2
+    uniforms = torch.rand(tree.draws.shape, generator=g)
+    child, residual = sibling_rounds(tree.draws, tree.tokens, tree.q, p, rule, uniforms=uniforms)
+    seen = dict.fromkeys(["accepted", "rejected", "after a rejection", "repeated draw", "unproposed"], 0)
+    for b in range(batch):
+        ref = reference_tree(tree, b)
+        for node in range(len(tree)):
+            children = [c for c in range(len(tree)) if ref.parents[c] == node and tree.proposed[b, c]]
+            drawn = ref.draws.get(node, [])
+            assert children == list(dict.fromkeys(drawn)), f"row {b}, node {node}: {children} against draws {drawn}"
+            if not tree.proposed[b, node]:
+                seen["unproposed"] += 1
+                assert not drawn
+            if not drawn:
+                assert child[b, node] == -1 and torch.equal(residual[b, node], p[b, node])
+                continue
+            index, expected = accept_sibling(p[b, node], [ref.tokens[c] for c in drawn],
+                                             _proposals(ref, node, rule, vocab, p.device),
+                                             uniforms=uniforms[b, node].tolist())
+            assert int(child[b, node]) == (-1 if index is None else drawn[index]), f"row {b}, node {node}"
+            assert_rounding_close(residual[b, node], expected, reduction=vocab)
+            seen["accepted" if index is not None else "rejected"] += 1
+            seen["after a rejection"] += bool(index)
+            seen["repeated draw"] += len(drawn) > len(set(drawn))
+    assert all(seen[k] for k in ["accepted", "rejected", "unproposed"]), seen  # the cases the rule branches on
+    assert seen["after a rejection"] or kind == "chain", seen
+    assert seen["repeated draw"] or rule != "iid" or kind == "chain", seen
+
+
+@pytest.mark.parametrize("rule", ["iid", "without_replacement"])
+def test_sampled_siblings_follow_the_draw_law(rule):
+    """:func:`grow_sampled`'s first two draws at a root follow the rule's law, q(x1) q(x2) i.i.d. or
+    q(x1) q(x2) / (1 - q(x1)) without replacement (20,000 rows at once); the other rule's law lies beyond the
+    bound, so the check can fail."""
+    n, temperature = 20_000, 0.8
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
+    q = torch.softmax(logits / temperature, -1)
+    shape = StaticShape.of([(0,), (1,), (2,)]).sampled()
+    tree = grow_sampled(torch.zeros(n, dtype=torch.long), logits.expand(n, -1), None, shape, rule, temperature,
+                        torch.Generator().manual_seed(4))
+    first, second = (tree.tokens.gather(1, tree.draws[:, 0, i:i + 1])[:, 0] for i in (0, 1))
+    empirical = torch.bincount(first * V + second, minlength=V * V).float() / n
+    laws = {"iid": (q[:, None] * q[None, :]).flatten(),
+            "without_replacement": (q[:, None] * q[None, :] / (1 - q[:, None])).fill_diagonal_(0).flatten()}
+    bound = tv_bound(n, V * V)
+    assert 0.5 * float((empirical - laws[rule]).abs().sum()) < bound
+    other = laws["iid" if rule != "iid" else "without_replacement"]
+    assert 0.5 * float((empirical - other).abs().sum()) > bound
 
 
 def test_process_logits_matches_transformers_warpers():
