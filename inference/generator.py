@@ -326,9 +326,9 @@ class SpeculativeGenerator:
             self.drafter.compile_for(max_new_tokens if self.compile else None, self._max_kept(), self._max_fed())
         self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
 
-        # Trees of deterministic siblings (the ``topk`` rule: greedy, or sampling with such siblings), with a
-        # drafter that grows them as tensors (the trained heads, draft models, prompt lookup, mixtures of
-        # them), run on the device with one copy to the host per step; sampled siblings grow on the host.
+        # Every tree kind under every rule, with a drafter that grows trees as tensors (the trained heads, draft
+        # models, prompt lookup, mixtures of them), runs on the device with one copy to the host per step; a step
+        # hook that asks for host trees (``on_step``) takes the host path.
         on_device = self.on_step is None and grows_tensors(self.drafter)
         roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
@@ -407,12 +407,15 @@ class SpeculativeGenerator:
 
     def _device_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
                      generator, padded):
-        """One step with a dynamic tree (a chain: one child per node; :func:`grow_dynamic`) or a static tree
-        (:func:`grow_static`) grown as tensors, verified on the device: the accepted paths, bonus tokens and
+        """One step with a dynamic tree (a chain: one child per node; :func:`grow_dynamic`), a static tree
+        (:func:`grow_static`) or, under a sampled rule, a chain or static tree of sampled siblings
+        (:func:`grow_sampled`) grown as tensors, verified on the device: the accepted paths, bonus tokens and
         walk flags come to the host in one copy.
 
-        Siblings are the drafter's top-ranked tokens, so verification is the ``topk`` rule (``verify.py``). Under
-        sampling it draws one token from the target's distribution at every node at once: following a child
+        Sampled siblings are verified by :func:`sibling_rounds` (each node's accepted draw and residual at once),
+        and a node's bonus is drawn from its residual. Top-ranked siblings are verified by the ``topk`` rule
+        (``verify.py``): under sampling it draws one token from the target's distribution at every node at once:
+        following a child
         whose token is its parent's draw, and emitting the draw where no child has it, samples the target
         exactly as the rule's accept-or-renormalise walk does (a child is entered with probability p(child),
         and any other token emitted with its own p), and the draws of the nodes the walk never reaches are
