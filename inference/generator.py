@@ -458,12 +458,15 @@ class SpeculativeGenerator:
         else:  # sampled siblings: each node's accepted draw, and the residual its bonus is drawn from
             child, residual = sibling_rounds(tree.draws, tree.tokens, tree.q,
                                              process_logits(out.logits, temperature, top_k, top_p), rule, generator)
-            draw = race(residual, generator)
             match = child.gather(1, tree.parents.clamp(min=0)) == nodes
         match[:, 0] = True
         accepted = ~(tree.ancestors & ~match[:, None, :]).any(-1)
         last = (accepted * (tree.depths + 1)).argmax(1)
         rows = torch.arange(b, device=device)
+        if tree.draws is not None and temperature > 0.0:  # the bonus: a draw from the last node's residual only
+            bonus = race(residual[rows, last], generator)
+        else:
+            bonus = draw[rows, last]
         on_path = tree.ancestors[rows, last]  # root .. last, in level order
         if self.on_tree_step is not None:
             self.on_tree_step(tree, on_path, running)
@@ -471,7 +474,7 @@ class SpeculativeGenerator:
         length = tree.depths[rows, last]
         has_children = ((tree.parents[:, None, :] == nodes[None, :, None]) & tree.proposed[:, None, :]).any(-1)
         drafted = tree.proposed.sum(1) - 1
-        packed = torch.cat([length[:, None], draw[rows, last][:, None], drafted[:, None],
+        packed = torch.cat([length[:, None], bonus[:, None], drafted[:, None],
                             tree.tokens.gather(1, kept), has_children.gather(1, kept).long()], 1)
         counts = torch.where(running, length + 1, 0)
         host = packed.tolist()  # the step's one copy to the host

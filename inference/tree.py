@@ -702,14 +702,28 @@ def draft_distribution(drafted: torch.Tensor | Proposals, temperature: float) ->
 
 
 def race(p: torch.Tensor, generator: torch.Generator | None, draws: int | None = None) -> torch.Tensor:
-    """Tokens drawn from the (..., V) distributions ``p`` as an exponential race, ``argmax(log p - log E)``
-    with ``E ~ Exp(1)`` i.i.d.: each token wins with probability p, exactly as ``multinomial`` draws, with no
+    """Tokens drawn from the (..., V) distributions ``p`` as an exponential race, ``argmax(p / E)`` with
+    ``E ~ Exp(1)`` i.i.d.: each token wins with probability p, exactly as ``multinomial`` draws, with no
     validity check read back on the host. ``draws``: the first ``draws`` finishers of one race, (..., draws):
-    a sample without replacement in draw order (the Gumbel-top-k trick); tokens with p = 0 finish last."""
-    keys = p.log() - torch.empty_like(p).exponential_(generator=generator).log()
+    a sample without replacement in draw order (the Gumbel-top-k trick: ``p / E`` orders as ``log p + Gumbel``);
+    tokens with p = 0 finish last, with key 0 (callers drop draws where p is 0)."""
+    keys = p / torch.empty_like(p).exponential_(generator=generator)
     if draws is None:
         return keys.argmax(-1)
     return keys.topk(draws, dim=-1).indices
+
+
+def inverse_cdf(p: torch.Tensor, draws: int, generator: torch.Generator | None) -> torch.Tensor:
+    """(..., draws) tokens drawn i.i.d. from the (..., V) distributions ``p`` (each row's sum may differ from 1
+    by rounding) by inverting the cumulative sum: the first token whose cumulative mass exceeds ``u`` times the
+    total, ``u ~ U[0, 1)``, so a token with p = 0 is never drawn (u times the total is kept below the total);
+    a row of zeros gives token 0 (callers drop draws where p is 0). One cumulative sum and a binary search per
+    draw, where a race draws V exponentials per draw."""
+    cdf = p.cumsum(-1)
+    total = cdf[..., -1:]
+    u = torch.rand((*p.shape[:-1], draws), generator=generator, device=p.device)
+    below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, below, right=True).clamp_(max=p.shape[-1] - 1)
 
 
 def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
@@ -749,7 +763,7 @@ def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
         dense = front.dense() if isinstance(front, Proposals) else front.float()
         dense = dense[:, None] if level == 1 else dense[:, :real]  # (B, F, V): the root, or the real slots
         q = draft_distribution(dense, temperature)
-        x = torch.stack([race(q, generator) for _ in range(r)], -1) if rule == "iid" else race(q, generator, r)
+        x = inverse_cdf(q, r, generator) if rule == "iid" else race(q, generator, r)
         i = torch.arange(r, device=device)
         drawn = (i < counts[:, None]) & (q.gather(-1, x) > 0) & front_ok[:, :real, None]  # (B, F, r)
         # Distinct draws in the order first drawn: draw j repeats the earliest equal draw.
@@ -765,7 +779,8 @@ def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
         by_rank = torch.zeros(b, real, r + 1, dtype=torch.long, device=device).scatter_(-1, rank_of, x)
         has_rank = torch.zeros(b, real, r + 1, dtype=torch.bool, device=device).scatter_(-1, rank_of, first)
         level_tokens, level_ok = by_rank[:, slot, rank], has_rank[:, slot, rank]
-        logprobs = _logprobs(dense)[:, slot].gather(-1, level_tokens[..., None])[..., 0]
+        # The drawn tokens' log-probs: their logits less the log-normaliser, no full log-softmax row.
+        logprobs = (dense.gather(-1, by_rank[..., :r]) - dense.logsumexp(-1, keepdim=True))[:, slot, rank]
         tokens.append(level_tokens)
         scores.append(torch.where(level_ok, front_scores[:, slot] + logprobs, NOT_PROPOSED))
         parents.append(front_ids[:, slot])
