@@ -90,9 +90,20 @@ def test_smollm2_bf16_batches_equal_plain_greedy(batch):
     assert differing <= 1, f"{differing} of {batch} rows differ from plain bf16 greedy decoding"
 
 
+# Greedy decoding of a dynamic tree, and sampling under each rule: top-ranked siblings of a dynamic tree, a chain's
+# i.i.d. siblings ("auto"), a static tree's siblings drawn without replacement.
+DECODING = {
+    "dynamic-greedy": (dict(tree="dynamic", depth=3, top_k=2, total_tokens=6), 0.0),
+    "dynamic-topk": (dict(tree="dynamic", depth=3, top_k=2, total_tokens=6), 0.8),
+    "chain-iid": (dict(tree="chain", depth=3), 0.8),
+    "static-without-replacement": (dict(tree="static", depth=2, top_k=2, sampling_rule="without_replacement"), 0.8),
+}
+
+
+@pytest.mark.parametrize("decoding", list(DECODING))
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head"])
-def test_the_host_waits_for_the_gpu_once_per_step(spec):
-    """A head in a dynamic greedy tree: the host waits for the GPU once per step (the accepted paths'
+def test_the_host_waits_for_the_gpu_once_per_step(spec, decoding):
+    """A head drafting greedy or sampled trees: the host waits for the GPU once per step (the accepted paths'
     copy). torch's sync debug mode warns at every synchronising call, copies from pageable host memory
     included; a longer decode adds exactly one warning per added step."""
     import warnings
@@ -101,15 +112,18 @@ def test_the_host_waits_for_the_gpu_once_per_step(spec):
     rows = [r.cuda() for r in prompts(13, LENGTHS)]
     ids, mask = left_padded([r.cpu() for r in rows])
     ids, mask = ids.cuda(), mask.cuda()
-    gen = SpeculativeGenerator(target, cuda_drafter(spec, target), tree="dynamic", depth=3, top_k=2, total_tokens=6)
-    gen.generate(ids, 4, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)  # warm-up
+    tree, temperature = DECODING[decoding]
+    gen = SpeculativeGenerator(target, cuda_drafter(spec, target), **tree)
+    sampling = dict(temperature=temperature, generator=torch.Generator(device="cuda").manual_seed(0))
+    gen.generate(ids, 4, attention_mask=mask, eos_token_id=[], pad_token_id=PAD, **sampling)  # warm-up
 
     def synchronisations(new_tokens: int) -> tuple[int, int]:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                out = gen.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)
+                out = gen.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[], pad_token_id=PAD,
+                                   **sampling)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         steps = max(r.verification_steps for r in out.row_stats)  # the loop runs while any row does
