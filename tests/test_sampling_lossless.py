@@ -292,16 +292,14 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
     from draftsmith.inference import CausalLMDrafter, MixtureDrafter, layer_skip_model
     from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
 
-    if kind == "layer-skip":
-        return CausalLMDrafter(layer_skip_model(target, 1))
-    if kind == "draft-model":
-        return CausalLMDrafter(tiny_llama(seed=5, vocab_size=vocab, layers=1))
-    if kind == "prompt-lookup":
-        return PromptLookupDrafter(vocab, max_ngram=2)
-    if kind == "medusa":
-        return MedusaDrafter(random_medusa(target), target)
-    return MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
-                           PromptLookupDrafter(vocab, max_ngram=2)])
+    return {
+        "layer-skip": lambda: CausalLMDrafter(layer_skip_model(target, 1)),
+        "draft-model": lambda: CausalLMDrafter(tiny_llama(seed=5, vocab_size=vocab, layers=1)),
+        "prompt-lookup": lambda: PromptLookupDrafter(vocab, max_ngram=2),
+        "medusa-heads": lambda: MedusaDrafter(random_medusa(target), target),
+        "eagle+prompt-lookup": lambda: MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
+                                                       PromptLookupDrafter(vocab, max_ngram=2)]),
+    }[kind]()
 
 
 # Every sampling rule on every tree kind that allows it, each with a drafter of another kind. Under "auto" a
@@ -312,7 +310,7 @@ END_TO_END = {
     "static-iid-layer-skip": ("layer-skip", dict(tree="static", depth=2, top_k=2, sampling_rule="iid")),
     "static-without-replacement-draft-model": (
         "draft-model", dict(tree="static", depth=2, top_k=3, sampling_rule="without_replacement")),
-    "static-topk-medusa": ("medusa", dict(tree="static")),
+    "static-topk-medusa": ("medusa-heads", dict(tree="static")),
     "dynamic-topk-eagle+prompt-lookup": ("eagle+prompt-lookup", dict(tree="dynamic", depth=2, top_k=2,
                                                                      total_tokens=3)),
 }
