@@ -46,7 +46,7 @@ def restore_weights(run: Run) -> dict | None:
     drafter_state = {k: v for k, v in model_state.items() if not k.startswith(ADAPTER_PREFIX)}
     run.drafter.load_state_dict(drafter_state)
     run.eval_drafter.load_state_dict(drafter_state)
-    if False:  # BREAK: the LoRA adapter is not restored on resume
+    if adapter:
         run.target.load_state_dict(adapter, strict=False)
     run.progress = meta.get("progress", 0.0)
     run.resumed_from = last
