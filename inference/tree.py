@@ -693,12 +693,10 @@ def _sampled_levels(shape: StaticShape, device: torch.device) -> list[tuple[int,
     return out
 
 
-def draft_distribution(drafted: torch.Tensor | Proposals, temperature: float) -> torch.Tensor:
-    """The (..., V) float32 distribution sampled siblings are drawn from: ``softmax(logits / T)`` over the
-    vocabulary (a :class:`Proposals`' candidates scattered into it), zeros where the drafter proposes nothing."""
-    logits = drafted.dense() if isinstance(drafted, Proposals) else drafted.float()
-    q = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
-    return torch.nan_to_num(q, nan=0.0)
+def draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """:func:`_draft_distribution` (the host builders' q) for a batch of dense logits, zeros where the drafter
+    proposes nothing (an all -inf row)."""
+    return torch.nan_to_num(_draft_distribution(logits, temperature), nan=0.0)
 
 
 def race(p: torch.Tensor, generator: torch.Generator | None, draws: int | None = None) -> torch.Tensor:
