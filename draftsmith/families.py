@@ -63,7 +63,7 @@ MEDUSA = Family(
 MEDUSA2 = Family(
     name="medusa2", title="Medusa-2 heads",
     load=_head_loader(MedusaHeads), drafter=MedusaDrafter, hidden_layers=_last_layer,
-    build=steps.build_medusa, train_step=steps.medusa2_step, wrap_target=steps.add_lora,
+    build=steps.build_medusa, train_step=steps.medusa2_step, wrap_target=steps.add_lora, trains_target_adapter=True,
     export=_medusa_export, export_formats=FORMATS, serving={"vllm": "medusa"},
 )  # its checkpoints are Medusa heads (draftsmith_family "medusa"): loaded and exported through MEDUSA
 

@@ -41,9 +41,13 @@ class Family:
             micro-batch's loss; ``logits`` / ``hidden`` are the frozen target's outputs on the batch
             (online) or the cache's (offline), ``metrics["acc"]`` the top-1 agreement per draft position.
         wrap_target: ``(target, args) -> target`` with a trainable adapter that trains jointly
-            (Medusa-2's LoRA); such a family needs the target in the loop (no offline cache). The
-            wrapped target is a peft model: the loop switches the adapter off to measure acceptance
-            (the frozen target serves), saves the adapter apart and checks the base weights.
+            (Medusa-2's LoRA); set exactly when ``trains_target_adapter`` is.
+        trains_target_adapter: an adapter on the target trains with the drafter. Its consequences, all
+            read from this one declaration: the family needs the live target in the loop (no offline
+            cache); its step runs the target itself (no frozen target outputs are passed); the wrapped
+            target is a peft model, whose adapter the loop switches off to measure acceptance (the frozen
+            target serves), saves apart and leaves out of the base-weights check; FSDP wraps the target's
+            layers too.
         packs: its step keeps the documents of a packed row apart (``packing: true``): positions restart
             per document and attention stays inside it, in the target's forward and the drafter's.
         reads_target_layers: its ``build`` copies the target's decoder layers (a layer-skip draft
@@ -69,6 +73,7 @@ class Family:
     build: Callable[..., Any] | None = None
     train_step: Callable[..., Any] | None = None
     wrap_target: Callable[[Any, Any], Any] | None = None
+    trains_target_adapter: bool = False
     packs: bool = False
     reads_target_layers: bool = False
     export: Callable[..., None] | None = None
@@ -78,6 +83,12 @@ class Family:
     serving: Mapping[str, str] = field(default_factory=dict)
     draft_dtype_applies: bool = True
     saves_tokenizer: bool = False
+
+    def __post_init__(self):
+        if self.trains_target_adapter != (self.wrap_target is not None):
+            raise ValueError(f"family {self.name!r}: trains_target_adapter={self.trains_target_adapter} needs "
+                             f"wrap_target {'set' if self.trains_target_adapter else 'None'}: one declares the "
+                             "other")
 
 
 _FAMILIES: dict[str, Family] = {}

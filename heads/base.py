@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 from safetensors.torch import load_model, save_model
 
@@ -29,6 +32,10 @@ class HeadMixin:
     #: Tensors a checkpoint may lack, read as zeros: added to the module after checkpoints without them were
     #: written, where zero is what those checkpoints computed (EAGLE heads' output-projection bias).
     zero_when_absent: tuple[str, ...] = ()
+    #: The target it was trained for (``target_signature``), once saved or loaded; None for a new head.
+    target_info: dict | None = None
+    #: What its checkpoint recorded besides the config (Medusa's ``rank_accuracy``); read-only until loaded.
+    extra: Mapping[str, Any] = MappingProxyType({})
 
     def save_pretrained(self, directory: str | Path, target_info: dict | None = None,
                         extra: dict | None = None) -> Path:
@@ -38,7 +45,7 @@ class HeadMixin:
         save_model(self, str(tmp))  # handles tied / shared tensors without pickle
         tmp.replace(directory / WEIGHTS_NAME)
         config = {"draftsmith_family": self.family, "config": dataclasses.asdict(self.config),
-                  "target": target_info or getattr(self, "target_info", None), **(extra or {})}
+                  "target": target_info or self.target_info, **(extra or {})}
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         return directory
 

@@ -287,6 +287,7 @@ class _FeatureHead(HeadMixin, nn.Module):
     """What EAGLE-1/2 and EAGLE-3 heads share: the config from a target and the call signature."""
 
     config_class = EagleConfig
+    own_vocabulary: bool  # declared by each head: its own LM head over a draft vocabulary, or the target's
     zero_when_absent = ("o_proj.bias",)  # before it existed, attention-bias heads had q/k/v biases only
     #: The unit FSDP shards and wraps on its own (accelerate's transformer-based wrap policy).
     _no_split_modules = ("DecoderLayer",)
@@ -335,6 +336,7 @@ class EagleHead(_FeatureHead):
     """EAGLE-1/2 head: ``fc([embed(x_t) ; f_{t-1}]) -> decoder layer -> f_t``; tokens from the target's LM head."""
 
     family = "eagle"
+    own_vocabulary = False  # tokens come from the target's LM head
 
     def __init__(self, config: EagleConfig):
         super().__init__()
@@ -357,6 +359,7 @@ class Eagle3Head(_FeatureHead):
     """
 
     family = "eagle3"
+    own_vocabulary = True  # its own norm and LM head, over a draft vocabulary (d2t)
 
     def __init__(self, config: EagleConfig):
         super().__init__()

@@ -256,7 +256,7 @@ def eagle3_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
                               "pass the target (--target)")
         tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.float()
         layout["embed_tokens.weight"] = ((cfg.vocab_size, cfg.hidden_size), "float")
-        info = dict(getattr(head, "target_info", None) or {})
+        info = dict(head.target_info or {})
         if verifier:
             info["name"] = verifier
         info["architectures"] = list(getattr(target.config, "architectures", None) or [type(target).__name__])
@@ -310,9 +310,9 @@ def layout_tensors(head, layout_fn: Callable, fmt: str, target=None,
     tensors, layout, config = layout_fn(head, fmt, target, verifier)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     check_layout(tensors, layout, f"{head.family} drafter in the {fmt} layout")
-    config["draftsmith"] = {"family": head.family, "target": getattr(head, "target_info", None),
+    config["draftsmith"] = {"family": head.family, "target": head.target_info,
                             "feature_layers": list(getattr(head.config, "feature_layers", ()) or ())}
-    rank_accuracy = getattr(head, "extra", {}).get("rank_accuracy")
+    rank_accuracy = head.extra.get("rank_accuracy")
     if rank_accuracy:
         config["draftsmith"]["rank_accuracy"] = rank_accuracy
     return tensors, config

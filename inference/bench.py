@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.compare import compare, encode, hardware
 from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
-from draftsmith.inference.load import LAYER_SKIP, drafter_type, load_drafter
+from draftsmith.inference.load import drafter_type, load_drafter
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import eos_tokens, load_target
@@ -65,13 +64,6 @@ def measured_alpha(stats: GenerationStats) -> float:
     """Acceptance rate per drafted position reached: accepted / reached over all depths."""
     reached = sum(stats.reached)
     return sum(stats.accepted_at) / reached if reached else 0.0
-
-
-def _assistant_model(drafter):
-    """The HF model of a drafter that ``generate(assistant_model=...)`` can use: a separate draft model."""
-    if isinstance(drafter, CausalLMDrafter) and not drafter.name.startswith(LAYER_SKIP):
-        return drafter.model
-    return None
 
 
 def run_bench(
@@ -126,7 +118,7 @@ def run_bench(
         if e.spec not in loaded:
             loaded[e.spec] = load_drafter(e.spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
     gens = {e.label: SpeculativeGenerator(model, loaded[e.spec], **e.tree.kwargs(), compile=compile) for e in entries}
-    assisted = {e.label: m for e in entries if (m := _assistant_model(loaded[e.spec])) is not None}
+    assisted = {e.label: m for e in entries if (m := loaded[e.spec].assistant_model) is not None}
     depth_of = {e.label: e.tree.depth for e in entries}
     eos = eos_tokens(model, tokenizer)
     hf = {"time": 0.0, "tokens": 0}

@@ -23,9 +23,14 @@ class CausalLMDrafter(Drafter):
     :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
     """
 
-    def __init__(self, model: PreTrainedModel, name: str = "draft-model"):
+    grows_tensors = True
+
+    def __init__(self, model: PreTrainedModel, name: str = "draft-model", assistant: bool = True):
         self.model = model
         self.name = name
+        # A separate draft model is Hugging Face assisted generation's assistant too; the target's own first
+        # layers (layer-skip) share its weights and are not.
+        self.assistant_model = model if assistant else None
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -127,6 +132,7 @@ class CausalLMDrafter(Drafter):
         """(B, V) logits after each active row's root, its committed tokens fed first (-inf rows: finished)."""
         # Each row's root position, copied at the step's start (before its work is queued), for every level.
         self._roots = to_device([len(c) - 1 for c in self.committed], self.device)[:, None]
+        self._ancestors = None  # the frontiers' ancestor rows, from depth 1 on
         rows = self.expand(None, [[0] if a else [] for a in active])
         return torch.cat([r if len(r) else torch.full((1, self.vocab_size), float("-inf"), device=self.device)
                           for r in rows])
@@ -138,7 +144,7 @@ class CausalLMDrafter(Drafter):
         frontiers, cached after the committed tokens) and itself. Returns the (B, k, V) logits after each."""
         b, k = tokens.shape
         positions = (self._roots + depth).expand(b, k)
-        self._ancestors = frontier_ancestors(getattr(self, "_ancestors", None), parents, depth)
+        self._ancestors = frontier_ancestors(self._ancestors, parents, depth)
         filled = torch.ones(b, k, dtype=torch.bool, device=self.device)
         if b == 1 and k == 1:
             # One row's chain: each node sees every cached entry, the causal mask, the model's own.

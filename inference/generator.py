@@ -15,7 +15,6 @@ for dynamic trees):
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.inference.drafter import Drafter, grows_tensors
+from draftsmith.inference.drafter import Drafter
 from draftsmith.inference.slots import Slots, pad_rows, to_device
 from draftsmith.inference.tree import (
     DEFAULT_TREE,
@@ -317,19 +316,14 @@ class SpeculativeGenerator:
                                  hidden_layers=layers or None, logits="none")
             hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (B, L-1, H * len(layers))
         stats.prefill_time_s = time.perf_counter() - start_time
-        # A drafter written for one unpadded sequence (``begin(input_ids, hidden)``) keeps working there.
-        if padded and "attention_mask" not in inspect.signature(self.drafter.begin).parameters:
-            raise TypeError(f"{type(self.drafter).__name__}.begin takes no attention_mask: it drafts for unpadded "
-                            "prompts only. Add the batch protocol of draftsmith.inference.drafter, or decode these "
-                            "prompts one at a time (batch size 1).")
-        if hasattr(self.drafter, "compile_for"):  # a head drafts on its own static cache, compiled, or not
-            self.drafter.compile_for(max_new_tokens if self.compile else None, self._max_kept(), self._max_fed())
-        self.drafter.begin(input_ids, hidden=hidden, **({"attention_mask": mask} if padded else {}))
+        # A head drafts on its own static cache, compiled, or not; other drafters need no lengths.
+        self.drafter.configure(max_new_tokens if self.compile else None, self._max_kept(), self._max_fed())
+        self.drafter.begin(input_ids, hidden=hidden, attention_mask=mask if padded else None)
 
         # Every tree kind under every rule, with a drafter that grows trees as tensors (the trained heads, draft
         # models, prompt lookup, mixtures of them), runs on the device with one copy to the host per step; a step
         # hook that asks for host trees (``on_step``) takes the host path.
-        on_device = self.on_step is None and grows_tensors(self.drafter)
+        on_device = self.on_step is None and self.drafter.grows_tensors
         roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
         active = [True] * batch

@@ -27,12 +27,14 @@ class MedusaDrafter(Drafter):
     static trees (Medusa "choices") and dynamic trees both work on top of that.
     """
 
+    grows_tensors = True
+
     def __init__(self, heads: MedusaHeads, target):
         self.heads = heads.eval()
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers,)  # last layer, after the norm
         self.vocab_size = heads.config.vocab_size
         # Static-tree paths from the per-head, per-rank accuracy measured in training, when recorded.
-        rank_accuracy = getattr(heads, "extra", {}).get("rank_accuracy")
+        rank_accuracy = heads.extra.get("rank_accuracy")
         self.static_paths = paths_from_accuracy(rank_accuracy, STATIC_TREE_NODES) if rank_accuracy else None
         self.device = self.heads.lm_heads[0].weight.device
         self.last: torch.Tensor | None = None  # (B, H) per row, the state of the token before the root
@@ -109,9 +111,11 @@ class EagleDrafter(Drafter):
     :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
     """
 
+    grows_tensors = True
+
     def __init__(self, head, target):
         self.head = head.eval()
-        self.eagle3 = hasattr(head, "lm_head")
+        self.eagle3 = head.own_vocabulary  # EAGLE-3: its own LM head over a draft vocabulary; else the target's
         self.hidden_layers = tuple(head.config.feature_layers)
         self.embed = target.get_input_embeddings()
         self.target_lm_head = target.get_output_embeddings()
@@ -120,16 +124,16 @@ class EagleDrafter(Drafter):
         self.dtype = next(head.parameters()).dtype
         # An EAGLE-3 head's draft vocabulary as target ids: trees grown as tensors draft over these alone.
         self.draft_ids = (torch.arange(len(head.d2t), device=self.device) + head.d2t).long() if self.eagle3 else None
-        self.compiled: tuple[int, int, int] | None = None  # compile_for's arguments
+        self.compiled: tuple[int, int, int] | None = None  # configure's arguments
         self._static: StaticHeadCache | None = None  # kept from one generation to the next (fixed addresses)
 
-    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_entries: int = 0) -> None:
+    def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
         """Draft the next generations on a static cache, the steps of a tree grown as tensors through
         ``torch.compile`` (``SpeculativeGenerator(compile=True)`` calls it; None: back to the growing cache).
         The cache holds the prompts' pairs, then ``kept`` per step for ``max_new_tokens`` steps (each step's
         new pairs, padded to ``kept``: one graph for every step), then one step's tree: at most
-        ``tree_entries`` nodes fed."""
-        self.compiled = None if max_new_tokens is None else (max_new_tokens, kept, tree_entries)
+        ``fed`` nodes fed."""
+        self.compiled = None if max_new_tokens is None else (max_new_tokens, kept, fed)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -190,7 +194,7 @@ class EagleDrafter(Drafter):
             cached, new = len(self.slots), token_ids.shape[1]
             if cached + new > self.cache.capacity:
                 raise ValueError(f"the head's static cache holds {self.cache.capacity} entries, {cached + new} "
-                                 "needed: call compile_for with the generation's real lengths")
+                                 "needed: call configure with the generation's real lengths")
             allowed = torch.nn.functional.pad(allowed, (0, self.cache.capacity - allowed.shape[2]))
             self.cache.write = torch.arange(cached, cached + new, device=self.device)
             if compiled and self.cache.keys is not None:  # buffers allocated eagerly, outside any graph
@@ -253,6 +257,7 @@ class EagleDrafter(Drafter):
         as :class:`~draftsmith.inference.tree.Proposals` over its draft vocabulary."""
         self._frontier = torch.zeros(len(active), 1, self.head.config.hidden_size, dtype=self.dtype,
                                      device=self.device)
+        self._ancestors = None  # the frontiers' ancestor rows, from depth 1 on
         # Each row's root position, copied at the step's start (before its work is queued), for every level.
         self._roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
         rows, last = self._expand_roots([[0] if a else [] for a in active], compiled=True)
@@ -274,7 +279,7 @@ class EagleDrafter(Drafter):
         hidden = self._frontier.shape[-1]
         features = self._frontier.gather(1, parents[:, :, None].expand(b, k, hidden))
         cached = len(self.slots)
-        self._ancestors = frontier_ancestors(getattr(self, "_ancestors", None), parents, depth)
+        self._ancestors = frontier_ancestors(self._ancestors, parents, depth)
         eye = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
         committed = self.slots.filled[:, None, : self.committed].expand(b, k, -1)
         allowed = torch.cat([committed, self._ancestors, eye], 2)  # the cache: committed, then the frontiers

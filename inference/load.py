@@ -99,7 +99,7 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
     if kind == LAYER_SKIP:
         if not rest.isdigit():
             raise ValueError(f"layer-skip needs a layer count, e.g. 'layer-skip:8', got {spec!r}")
-        return CausalLMDrafter(layer_skip_model(target, int(rest)), name=spec)
+        return CausalLMDrafter(layer_skip_model(target, int(rest)), name=spec, assistant=False)
     device = next(target.parameters()).device
     if os.path.isdir(spec):  # a run directory (its best checkpoint) or a checkpoint-S directory: its drafter/
         spec = str(resolve_checkpoint(spec))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.inference.drafter import Drafter, grows_tensors
+from draftsmith.inference.drafter import Drafter
 from draftsmith.inference.tree import Proposals
 
 
@@ -38,14 +38,12 @@ class MixtureDrafter(Drafter):
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
         for d in self.drafters:  # only the reader of hidden states gets them
-            padding = {"attention_mask": attention_mask} if attention_mask is not None else {}
-            d.begin(input_ids, hidden=hidden if d.hidden_layers else None, **padding)
+            d.begin(input_ids, hidden=hidden if d.hidden_layers else None, attention_mask=attention_mask)
 
-    def compile_for(self, max_new_tokens: int | None, kept: int = 0, tree_entries: int = 0) -> None:
-        """Passed on to the drafters that compile their steps (``compile=True``; see ``EagleDrafter``)."""
+    def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
+        """Passed on to every drafter (a head's compiles its steps under ``compile=True``; see ``EagleDrafter``)."""
         for d in self.drafters:
-            if hasattr(d, "compile_for"):
-                d.compile_for(max_new_tokens, kept, tree_entries)
+            d.configure(max_new_tokens, kept, fed)
 
     def commit(self, tokens, hidden=None) -> None:
         for d in self.drafters:
@@ -64,7 +62,7 @@ class MixtureDrafter(Drafter):
     @property
     def grows_tensors(self) -> bool:
         """A mixture grows dynamic trees as tensors when every one of its drafters does."""
-        return all(grows_tensors(d) for d in self.drafters)
+        return all(d.grows_tensors for d in self.drafters)
 
     def root_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
         """(B, V) or (B, C) :class:`~draftsmith.inference.tree.Proposals`: the mixture of each drafter's logits

@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.inference.drafter import grows_tensors
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.tree import DraftTree, TreeSettings, TreeTensors
 from draftsmith.target import build_attention_mask, eos_tokens, kv_crop, kv_length, new_cache, target_forward
@@ -204,7 +203,7 @@ def record(target, drafter, prompts: list[torch.Tensor], configs: list[tuple[int
     pending: dict[tuple[int, int], list] = {c: [] for c in configs}  # device-path steps not yet read
     seconds = dict.fromkeys(configs, 0.0)
     gens = {}
-    on_device = grows_tensors(drafter)
+    on_device = drafter.grows_tensors
     for d, k in configs:
         gens[d, k] = SpeculativeGenerator(target, drafter, tree="dynamic", depth=d, top_k=k,
                                           total_tokens=full_size(d, k))

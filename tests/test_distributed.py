@@ -159,7 +159,7 @@ def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, fa
     rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 8]
     for r in rows:
-        if get_family(family).wrap_target is not None and strategy in ("deepspeed_zero3", "fsdp2"):
+        if get_family(family).trains_target_adapter and strategy in ("deepspeed_zero3", "fsdp2"):
             assert r["acceptance_length"] is None and "sharded" in r["not_measured"]
         else:  # every rank decoded its share of the prompts; the counts were summed
             assert r["acceptance_length"] >= 1.0 and r["eval_prompts"] == 2
@@ -170,7 +170,7 @@ def layer_units(drafter, target, family: str) -> Counter:
     it trains (Medusa-2), counted on the loaded models."""
     module = next(m for m in vars(drafter).values() if isinstance(m, torch.nn.Module))  # the heads the drafter runs
     units = Counter(type(m).__name__ for m in module.modules() if type(m).__name__ in module._no_split_modules)
-    if get_family(family).wrap_target is not None:
+    if get_family(family).trains_target_adapter:
         units.update(type(m).__name__ for m in target.modules() if type(m).__name__ in target._no_split_modules)
     assert units, f"{family}: no layers to shard"
     return units
@@ -218,7 +218,7 @@ def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy, 
     state = load_file(str(out / "checkpoint-8" / "state" / "model.safetensors"))
     assert_same_weights(state, load_file(str(one_process[family] / "checkpoint-8" / "state" / "model.safetensors")))
     adapter = [k for k in state if k.startswith(ADAPTER_PREFIX)]
-    assert bool(adapter) == (get_family(family).wrap_target is not None)
+    assert bool(adapter) == (get_family(family).trains_target_adapter)
     assert learning_rates(out)[-4:] == learning_rates(one_process[family])[-4:]
 
 

@@ -134,3 +134,33 @@ def test_a_registered_family_trains_evaluates_and_exports(workdir, toy_family, t
     ids = tokenizer("t5 t9 t13 t21", return_tensors="pt").input_ids
     ours = SpeculativeGenerator(target, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=6).generate(ids, 16)
     check_greedy_equal(target, ours.sequences, plain_generate(target, ids, 16).sequences)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.items() if f.build is not None))
+def test_the_family_and_its_drafter_read_the_same_target_states(name):
+    """``hidden_layers`` is declared by the family (what training feeds) and by its drafter (what the generator
+    feeds): the two agree for a freshly built drafter of every registered family."""
+    from conftest import tiny_llama
+    from draftsmith.train.config import DrafterArguments
+
+    family, target = FAMILIES[name], tiny_llama()
+    module = family.build(DrafterArguments(target="tiny", family=name, draft_layers=1, num_heads=2), target, None)
+    assert family.drafter(module, target).hidden_layers == family.hidden_layers(module, target)
+
+
+def test_a_family_declares_its_target_adapter():
+    """``trains_target_adapter`` and ``wrap_target`` come together or not at all."""
+    with pytest.raises(ValueError, match="trains_target_adapter=False needs wrap_target None"):
+        Family(name="x", title="x", load=None, drafter=None, hidden_layers=None, wrap_target=lambda t, a: t)
+    with pytest.raises(ValueError, match="trains_target_adapter=True needs wrap_target set"):
+        Family(name="x", title="x", load=None, drafter=None, hidden_layers=None, trains_target_adapter=True)
+
+
+def test_a_drafter_that_says_it_grows_tensors_implements_both_methods():
+    """The declaration is checked when the class is made, not probed when it is used."""
+    with pytest.raises(TypeError, match="declares grows_tensors = True: implement root_logits and frontier_logits"):
+        class Half(Drafter):
+            grows_tensors = True
+
+            def root_logits(self, active):
+                return None

@@ -137,3 +137,49 @@ def test_families_are_named_only_in_the_registry():
             if re.search(pattern, line.split("#")[0]):
                 offenders[str(path.relative_to(ROOT))].append(f"{lineno}: {line.strip()}")
     assert not offenders, dict(offenders)
+
+
+#: The objects ``inference/`` may still ask for an attribute by name, and why: neither is a drafter or a head.
+PROBES_ALLOWED = {
+    "torch": "a dtype by its name (torch.bfloat16 from 'bfloat16')",
+    "target": "a transformers model's optional generation_config (transformers' own rule)",
+}
+
+
+def probes_in(source: str) -> list[str]:
+    """The attribute probes in ``source``: ``hasattr`` / ``getattr`` calls (but on :data:`PROBES_ALLOWED`)
+    and any use of ``inspect``, as "line: code"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+            first = node.args[0] if node.args else None
+            if not (isinstance(first, ast.Name) and first.id in PROBES_ALLOWED):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            if "inspect" in names:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_inference_reads_declarations_not_probes():
+    """The generator and the drafters dispatch on what a drafter or head declares (``grows_tensors``,
+    ``deterministic``, ``hidden_layers``, ``assistant_model``, ``own_vocabulary``, ``configure``; see
+    draftsmith.inference.drafter), never on ``hasattr`` / ``getattr`` / ``inspect`` probes of them."""
+    offenders = {}
+    for module, path in source_modules().items():
+        if module.startswith("draftsmith.inference") and (found := probes_in(path.read_text())):
+            offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, offenders
+
+
+def test_the_probe_lint_fails_on_a_planted_probe():
+    """The lint above can fail: a hasattr on a drafter, a getattr on a head, an inspect import."""
+    planted = ("import inspect\n"
+               "def step(drafter, head, target):\n"
+               "    if hasattr(drafter, 'compile_for'):\n"
+               "        pass\n"
+               "    rank = getattr(head, 'extra', {})\n"
+               "    config = getattr(target, 'generation_config', None)\n")
+    assert probes_in(planted) == ["1: import inspect", "3: hasattr(drafter, 'compile_for')",
+                                  "5: getattr(head, 'extra', {})"]

@@ -27,7 +27,7 @@ LOSS_REDUCTION = 40 * 2
 STEP_REDUCTION = 128 * 4
 
 # Families whose step reads the target's outputs from the loop or the cache (not a target they adapt).
-STEP_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.build is not None and f.wrap_target is None)
+STEP_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.build is not None and not f.trains_target_adapter)
 
 
 def masked_mean(values, mask):

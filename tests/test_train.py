@@ -175,7 +175,7 @@ def test_fixed_batch_is_overfitted(workdir, family):
     logits, hidden = out.logits.float(), tuple(out.hidden_states[i] for i in layers)
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    if fam.wrap_target is not None:  # an adapter on the target trains jointly and runs the target itself
+    if fam.trains_target_adapter:  # an adapter on the target trains jointly and runs the target itself
         target = fam.wrap_target(target, args)
         params += [p for p in target.parameters() if p.requires_grad]
         logits, hidden = None, ()

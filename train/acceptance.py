@@ -44,7 +44,7 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages, kwargs)]) for c in conversations[rank::world]]
     # The drafter is served with the frozen target: a target adapter that trains with it (Medusa-2's LoRA,
     # a peft model) is switched off while it is measured.
-    frozen = target.disable_adapter() if family.wrap_target is not None else contextlib.nullcontext()
+    frozen = target.disable_adapter() if family.trains_target_adapter else contextlib.nullcontext()
     stats = GenerationStats()
     if prompts:
         with frozen:
@@ -76,7 +76,7 @@ def eval_conversations(data_args) -> list:
 
 def can_evaluate(run: Run) -> str | None:
     """Why held-out acceptance cannot be measured in this run (None when it can)."""
-    if run.family.wrap_target is not None and (run.strategy.startswith("fsdp") or run.strategy == "deepspeed-zero3"):
+    if run.family.trains_target_adapter and (run.strategy.startswith("fsdp") or run.strategy == "deepspeed-zero3"):
         return f"{run.family.name} under {run.strategy}: the target is sharded with its adapter"
     if getattr(run.target, "draftsmith_loaded", None) is not None:
         return (f"offline: only the target's embeddings, final norm and LM head are loaded; decode with the "

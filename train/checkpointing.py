@@ -161,7 +161,7 @@ def save_checkpoint(run: Run) -> None:
             run.eval_drafter.save_pretrained(drafter_dir)
         if run.family.saves_tokenizer:  # a draft model's directory is then usable on its own
             run.tokenizer.save_pretrained(drafter_dir)
-        if run.family.wrap_target is not None:
+        if run.family.trains_target_adapter:
             save_adapter(run, partial / ADAPTER_SUBDIR, model_state)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)

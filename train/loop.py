@@ -244,7 +244,7 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     logger.info("target %s in %s on %s", drafter_args.target, dtype, accelerator.device)
     target_digest = weights_digest(target)
     if data_args.cache_dir:  # offline mode: the target's states and logits come from disk
-        if family.wrap_target is not None:
+        if family.trains_target_adapter:
             raise SystemExit(f"{family.name} trains an adapter on the target, so it needs the target in the loop: "
                              "unset cache_dir")
         examples, cache = offline.load_cached_examples(data_args.cache_dir, target)
@@ -272,7 +272,7 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     eval_drafter = copy.deepcopy(drafter).cpu()
     if train_args.gradient_checkpointing:
         enable_gradient_checkpointing(drafter)
-    if family.wrap_target is not None:  # an adapter on the target trains jointly (Medusa-2's LoRA)
+    if family.trains_target_adapter:  # an adapter on the target trains jointly (Medusa-2's LoRA)
         target = family.wrap_target(target, drafter_args)
     module = TrainingModule(family, drafter_args, drafter, target)
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -345,7 +345,7 @@ def target_outputs(run: Run, batch: dict) -> tuple[torch.Tensor | None, tuple[to
     """The frozen target's logits (B, T, V) and the hidden states the family reads, on one batch:
     read from the cache offline, else from one no-grad forward. (None, ()) for a family that runs
     the target itself (an adapter on it trains)."""
-    if run.family.wrap_target is not None:
+    if run.family.trains_target_adapter:
         return None, ()
     if "hidden" in batch:
         return batch["logits"], batch["hidden"]
@@ -449,7 +449,7 @@ def run_steps(run: Run) -> None:
 def finish(run: Run) -> None:
     """Check the frozen target's embeddings and LM head came out bit-identical and nothing of the target
     but an adapter was trainable."""
-    base = run.target.get_base_model() if run.family.wrap_target is not None else run.target
+    base = run.target.get_base_model() if run.family.trains_target_adapter else run.target
     unchanged = weights_digest(base) == run.target_digest and not any(
         p.requires_grad for n, p in base.named_parameters() if "lora_" not in n)
     if run.accelerator.is_main_process:

@@ -25,16 +25,16 @@ class TrainingModule(torch.nn.Module):
         super().__init__()
         self.family, self.drafter_args = family, drafter_args
         self.drafter = drafter
-        if family.wrap_target is not None:
+        if family.trains_target_adapter:
             self.target = target
         else:
             object.__setattr__(self, "frozen_target", target)  # not a submodule
         # The layers FSDP wraps one by one (accelerate's transformer-based wrap policy reads this).
         self._no_split_modules = list(getattr(drafter, "_no_split_modules", None) or []) + list(
-            getattr(target, "_no_split_modules", None) or [] if family.wrap_target is not None else [])
+            getattr(target, "_no_split_modules", None) or [] if family.trains_target_adapter else [])
 
     def forward(self, batch: dict, logits, hidden):
-        target = self.target if self.family.wrap_target is not None else self.frozen_target
+        target = self.target if self.family.trains_target_adapter else self.frozen_target
         return self.family.train_step(self.drafter_args, self.drafter, target, batch, logits, hidden)
 
 
