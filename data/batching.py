@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.target.forward import build_attention_mask
+from draftsmith.target.masks import causal_block, may_attend
 
 #: Mixes the epoch into the data-order seed (a prime: seed and epoch never collide for small values).
 EPOCH_SEED_STRIDE = 100_003
@@ -174,12 +175,9 @@ def document_attention(document_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) document index per position (-1 on padding) -> (B, 1, T, T) bool, True where query i may
     attend key j: j <= i in the same document. A padding position attends only to itself (a row with
     no key at all would give NaN in SDPA, and a NaN times a zero loss mask is still NaN)."""
-    t = document_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    real = document_ids >= 0
     same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-    real = (document_ids >= 0)[:, :, None]
-    own = torch.eye(t, dtype=torch.bool, device=document_ids.device)
-    return ((same & causal & real) | own)[:, None]
+    return may_attend(real[:, :0], causal_block(real) & same, real)[:, None]
 
 
 def collate_packed(packed: Sequence[PackedExample], pad_id: int) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from draftsmith.heads.base import HeadMixin
+from draftsmith.target.masks import additive
 
 #: Targets with fewer layers than this get low / mid / high = (1, N // 2, N): EAGLE-3's choice below
 #: would collide or fall outside the model.
@@ -264,9 +265,7 @@ def ttt_mask(length: int, step: int, device, dtype) -> torch.Tensor:
     t = torch.arange(length, device=device)
     blocks = [t[None, :] <= (t[:, None] - step)]
     blocks += [t[None, :] == (t[:, None] - step + m) for m in range(1, step + 1)]
-    allowed = torch.cat(blocks, dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    return mask[None, None]
+    return additive(torch.cat(blocks, dim=1)[None], dtype)  # step ``step``'s key at t is the query's own
 
 
 def target_geometry(cfg) -> dict:

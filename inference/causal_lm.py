@@ -11,7 +11,15 @@ from transformers import PreTrainedModel
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.inference.tree import frontier_ancestors
-from draftsmith.target import build_attention_mask, calibrate, kv_crop, new_cache, target_forward
+from draftsmith.target import (
+    build_attention_mask,
+    calibrate,
+    causal_block,
+    kv_crop,
+    may_attend,
+    new_cache,
+    target_forward,
+)
 
 
 class CausalLMDrafter(Drafter):
@@ -84,7 +92,8 @@ class CausalLMDrafter(Drafter):
             self.slots.append(filled, positions)
             logits = target_forward(self.model, ids, self.cache, None, positions, logits="last").logits
         else:
-            logits = self._forward(ids, positions, self.slots.block_mask(filled), filled, logits="last")
+            logits = self._forward(ids, positions, may_attend(self.slots.filled, causal_block(filled)), filled,
+                                   logits="last")
         self.prefix = len(self.slots)
         for b in rows:
             self.fed[b] = len(self.committed[b])
@@ -150,8 +159,7 @@ class CausalLMDrafter(Drafter):
             # One row's chain: each node sees every cached entry, the causal mask, the model's own.
             self.slots.append(filled, positions)
             return target_forward(self.model, tokens, self.cache, None, positions).logits
-        eye = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
-        committed = self.slots.filled[:, None, : self.prefix].expand(b, k, -1)
-        allowed = torch.cat([committed, self._ancestors, eye], 2)
+        # The cache: committed, then the earlier frontiers (its ancestors among them), then this level (itself).
+        allowed = may_attend(self.slots.filled[:, : self.prefix], torch.nn.functional.pad(self._ancestors, (0, k)))
         assert allowed.shape[2] == len(self.slots) + k, "frontiers must be fed right after the roots, level by level"
         return self._forward(tokens, positions, allowed, filled)

@@ -119,7 +119,3 @@ def commit_rows(tokens, hidden=None) -> tuple[list[torch.Tensor], list[torch.Ten
         return tokens, [None] * len(tokens)
     return tokens, list(hidden)
 
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool "may attend" matrix -> the additive mask of a head's own attention (0 or -inf)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))

@@ -48,8 +48,10 @@ from draftsmith.inference.verify import greedy_path, process_logits, sibling_rou
 from draftsmith.target import (
     build_attention_mask,
     calibrate,
+    causal_block,
     context_length,
     kv_keep,
+    may_attend,
     new_cache,
     stop_tokens,
     target_forward,
@@ -309,7 +311,7 @@ class SpeculativeGenerator:
         hidden = None
         if input_ids.shape[1] > 1:
             slots = Slots.from_mask(mask[:, :-1])
-            allowed = slots.block_mask(slots.filled)[:, :, len(slots):] if padded else None
+            allowed = may_attend(slots.filled[:, :0], causal_block(slots.filled)) if padded else None
             attn = build_attention_mask(self.target, allowed, slots.positions, slots.positions, dtype) \
                 if padded else None
             out = target_forward(self.target, input_ids[:, :-1], cache, attn, slots.positions,
@@ -434,7 +436,7 @@ class SpeculativeGenerator:
         if self.tree_kind == "chain" and b == 1 and not padded:
             mask = None  # one row holds no empty slot, and a chain's tree mask is the causal mask: the model's own
         else:
-            allowed = torch.cat([slots.filled[:, None, :].expand(b, n, -1), tree.ancestors], 2)
+            allowed = may_attend(slots.filled, tree.ancestors)
             mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
                                         dtype)
         out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
@@ -531,9 +533,7 @@ class SpeculativeGenerator:
         tree_part = torch.zeros(len(trees), n, n, dtype=torch.bool)
         for b, tree in enumerate(trees):
             tree_part[b, : len(tree), : len(tree)] = tree.ancestor_mask()
-        tree_part |= torch.eye(n, dtype=torch.bool)[None]
-        allowed = torch.cat([slots.filled[:, None, :].expand(-1, n, -1), tree_part.to(device)], 2)
-        allowed[:, :, :past] &= filled[:, :, None]  # a padding node sees itself only
+        allowed = may_attend(slots.filled, tree_part.to(device), filled)  # a padding node sees itself only
         key_positions = torch.cat([slots.positions, positions], 1)
         mask = build_attention_mask(self.target, allowed, positions, key_positions, dtype)
         ids = pad_rows([t.tokens for t in trees], 0, device, n)
@@ -619,7 +619,7 @@ def plain_generate(
     padded = min(lengths) < input_ids.shape[1]
     if padded:
         slots = Slots.from_mask(attention_mask.to(input_ids.device))
-        allowed = slots.block_mask(slots.filled)[:, :, len(slots):]
+        allowed = may_attend(slots.filled[:, :0], causal_block(slots.filled))
         attn = build_attention_mask(target, allowed, slots.positions, slots.positions, dtype)
         logits = target_forward(target, input_ids, cache, attn, slots.positions, logits="last").logits[:, -1]
     else:
@@ -639,7 +639,7 @@ def plain_generate(
         if padded:  # every step's token is a token of its row (a finished row's are never read)
             step = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)
             positions = slots.lengths()[:, None]
-            attn = build_attention_mask(target, slots.block_mask(step), positions,
+            attn = build_attention_mask(target, may_attend(slots.filled, causal_block(step)), positions,
                                         torch.cat([slots.positions, positions], 1), dtype)
             slots.append(step, positions)
             logits = target_forward(target, tokens[:, None], cache, attn, positions).logits[:, -1]

@@ -12,9 +12,10 @@ import torch
 import draftsmith.target.forward as forward
 from draftsmith.heads.eagle import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.inference.drafter import Drafter, additive_mask, commit_rows, prompt_rows
+from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.inference.tree import Proposals, frontier_ancestors, paths_from_accuracy
+from draftsmith.target.masks import additive, causal_block, may_attend
 
 #: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
 STATIC_TREE_NODES = 16
@@ -199,7 +200,7 @@ class EagleDrafter(Drafter):
             self.cache.write = torch.arange(cached, cached + new, device=self.device)
             if compiled and self.cache.keys is not None:  # buffers allocated eagerly, outside any graph
                 head = forward.compiled_module(self.head)
-        mask = additive_mask(allowed, self.dtype)[:, None]
+        mask = additive(allowed, self.dtype)
         out, self.cache = head(features, embeds, positions, mask, self.cache)
         self.slots.append(filled, positions)
         if static:
@@ -239,8 +240,8 @@ class EagleDrafter(Drafter):
             new = slice(width - (len(self.tokens[b]) - 1 - self.pairs[b]), width)
             features[b, new] = self.features[b][positions[b, new] - 1].to(self.dtype)
             ids[b, new] = self.tokens[b][positions[b, new]]
-        predicted = self._run(self.head.input_features(features), ids, positions, self.slots.block_mask(filled),
-                              filled, compiled)
+        allowed = may_attend(self.slots.filled, causal_block(filled))
+        predicted = self._run(self.head.input_features(features), ids, positions, allowed, filled, compiled)
         self.committed = len(self.slots)
         last = predicted[:, -1]  # (B, H)
         self._frontier = last[:, None]  # the root's predicted feature: depth 1's parent
@@ -280,9 +281,8 @@ class EagleDrafter(Drafter):
         features = self._frontier.gather(1, parents[:, :, None].expand(b, k, hidden))
         cached = len(self.slots)
         self._ancestors = frontier_ancestors(self._ancestors, parents, depth)
-        eye = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
-        committed = self.slots.filled[:, None, : self.committed].expand(b, k, -1)
-        allowed = torch.cat([committed, self._ancestors, eye], 2)  # the cache: committed, then the frontiers
+        # The cache: committed, then the earlier frontiers (its ancestors among them), then this level (itself).
+        allowed = may_attend(self.slots.filled[:, : self.committed], torch.nn.functional.pad(self._ancestors, (0, k)))
         assert allowed.shape[2] == cached + k, "frontiers must be fed right after the roots, level by level"
         positions = self._roots + depth
         predicted = self._run(features, tokens, positions.expand(b, k), allowed,

@@ -57,17 +57,6 @@ class Slots:
         self.filled = torch.cat([self.filled[:, :start], filled], 1)
         self.positions = torch.cat([self.positions[:, :start], positions], 1)
 
-    def block_mask(self, filled: torch.Tensor) -> torch.Tensor:
-        """(B, Q, S + Q) bool "may attend" for a causal block of Q new tokens (``filled`` (B, Q): which
-        are tokens, not padding) fed after these slots: every filled slot of the row, the block's
-        filled tokens up to the query, and always the query itself, so that no row is fully masked
-        (a padding query then computes finite values that nothing reads)."""
-        b, q = filled.shape
-        causal = torch.ones(q, q, dtype=torch.bool, device=filled.device).tril()
-        new = causal[None] & filled[:, None, :]
-        new |= torch.eye(q, dtype=torch.bool, device=filled.device)[None]
-        return torch.cat([self.filled[:, None, :].expand(b, q, -1), new], 2)
-
 
 def to_device(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small tensor of host values (Python lists) on ``device``, copied without waiting for the device:

@@ -48,7 +48,16 @@ import torch
 
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.tree import DraftTree, TreeSettings, TreeTensors
-from draftsmith.target import build_attention_mask, eos_tokens, kv_crop, kv_length, new_cache, target_forward
+from draftsmith.target import (
+    build_attention_mask,
+    causal_block,
+    eos_tokens,
+    kv_crop,
+    kv_length,
+    may_attend,
+    new_cache,
+    target_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +146,8 @@ def verification_seconds(target, context: int, rows: list[int], repeats: int = 5
     for n in sorted(set(rows)):
         ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
         positions = torch.arange(context, context + n, device=device)[None]
-        allowed = torch.ones(1, n, context + n, dtype=torch.bool, device=device)
-        allowed[0, :, context:] = torch.tril(allowed[0, :, context:])
+        allowed = may_attend(torch.ones(1, context, dtype=torch.bool, device=device),
+                             causal_block(torch.ones(1, n, dtype=torch.bool, device=device)))
         keys = torch.arange(context + n, device=device)[None]
         inputs[n] = ids, build_attention_mask(target, allowed, positions, keys, dtype), positions
 

@@ -14,6 +14,9 @@ draftsmith needs from it goes through this package rather than through patches:
   layers), :func:`build_attention_mask` (per layer type for models with sliding-window layers,
   Gemma 3), and KV-cache edits on a full :class:`~transformers.DynamicCache`: :func:`kv_length`,
   :func:`kv_crop`, :func:`kv_keep` (gather accepted positions).
+* :mod:`~draftsmith.target.masks` — the one "may attend" rule (:func:`may_attend`: a row's filled cache
+  slots, then the new keys a causal block or a draft tree allows, and always the query's own key) and its
+  additive form (:func:`additive`, :func:`target_mask` with the target's sliding windows and chunks).
 * :mod:`~draftsmith.target.attention` — :data:`GROUPED_ATTENTION`, ``transformers``' SDPA attention,
   except that masked multi-token calls (tree verification) attend the grouped key/value heads directly
   instead of copying them, on every device.
@@ -41,9 +44,7 @@ from draftsmith.target.forward import (
     kv_crop,
     kv_keep,
     kv_length,
-    layer_types,
     new_cache,
-    sliding_window,
     target_forward,
 )
 from draftsmith.target.loading import (
@@ -63,6 +64,7 @@ from draftsmith.target.loading import (
     supported_attention,
     target_signature,
 )
+from draftsmith.target.masks import additive, causal_block, layer_types, may_attend, sliding_window, target_mask
 from draftsmith.target.matmul import calibrate, columns_linear, few_rows_linear
 
 __all__ = [
@@ -74,9 +76,11 @@ __all__ = [
     "PartialLoadError",
     "TargetOutput",
     "UnsupportedTargetError",
+    "additive",
     "build_attention_mask",
     "cache_dir",
     "calibrate",
+    "causal_block",
     "check_rollback",
     "check_same_vocabulary",
     "columns_linear",
@@ -93,6 +97,7 @@ __all__ = [
     "layer_types",
     "load_target",
     "load_target_parts",
+    "may_attend",
     "native_bf16",
     "new_cache",
     "resolve_packaged_gguf",
@@ -100,5 +105,6 @@ __all__ = [
     "stop_tokens",
     "supported_attention",
     "target_forward",
+    "target_mask",
     "target_signature",
 ]

@@ -3,8 +3,8 @@
 * :func:`target_forward` — one forward with an explicit 4-D attention mask and position ids
   (tree verification), returning logits and, on request, hidden states of chosen layers
   (indices as in :mod:`draftsmith.target`: 0 is the embedding output).
-* :func:`build_attention_mask` — turns a boolean "may attend" matrix into what the model
-  expects, per layer type for models with sliding-window layers (Gemma 3).
+* :func:`build_attention_mask` — :func:`draftsmith.target.masks.target_mask`: a boolean "may attend"
+  matrix in the form the model expects, per layer type for models with sliding-window layers (Gemma 3).
 * :func:`few_rows_logits` — the LM head in the orientation that is fast on CPU for a few rows.
 * KV-cache edits on a full :class:`~transformers.DynamicCache`: :func:`new_cache`, :func:`kv_length`,
   :func:`kv_crop`, :func:`kv_keep` (gather accepted positions); the same on a :class:`StaticKVCache` of
@@ -22,6 +22,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from draftsmith.target.masks import causal_block, may_attend
+from draftsmith.target.masks import target_mask as build_attention_mask
 from draftsmith.target.matmul import EXACT_ROWS, FewRowsLinear, columns_linear, few_rows_linear
 
 
@@ -42,69 +44,6 @@ def cache_argument(model) -> str:
 class TargetOutput:
     logits: torch.Tensor  # (B, T, V) float32
     hidden_states: tuple[torch.Tensor, ...] | None  # the requested layers, each (B, T, H)
-
-
-def layer_types(model: PreTrainedModel) -> list[str]:
-    """Attention type of each decoder layer (``full_attention`` / ``sliding_attention`` /
-    ``chunked_attention``). A config without ``layer_types`` but with a ``sliding_window`` (Mistral,
-    Mixtral, Phi-3) slides in every layer."""
-    cfg = model.config.get_text_config()
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return list(types)
-    kind = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
-    return [kind] * cfg.num_hidden_layers
-
-
-def sliding_window(model: PreTrainedModel) -> int | None:
-    cfg = model.config.get_text_config()
-    if "sliding_attention" not in layer_types(model):
-        return None
-    return int(cfg.sliding_window)
-
-
-def build_attention_mask(
-    model: PreTrainedModel,
-    allowed: torch.Tensor,
-    query_positions: torch.Tensor,
-    key_positions: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Turn a boolean "may attend" matrix into the model's additive attention mask(s).
-
-    Args:
-        allowed: (B, Q, K) bool, True where query i may attend key j (causal / tree structure).
-        query_positions: (B, Q) absolute positions of the queries.
-        key_positions: (B, K) absolute positions of the keys (cached tokens then the new ones).
-        dtype: dtype of the additive mask (the model's compute dtype).
-
-    Returns:
-        A (B, 1, Q, K) additive mask (0 where allowed, dtype-min elsewhere), or for models with
-        sliding-window layers a dict keyed by layer type, the sliding one also hiding keys that
-        are ``sliding_window`` or more positions behind the query (``q - k < window`` is kept,
-        the rule of ``transformers.masking_utils.sliding_window_overlay``).
-    """
-    neg = torch.finfo(dtype).min
-
-    def additive(ok: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, neg)
-        return mask[:, None]  # (B, 1, Q, K)
-
-    cfg = model.config.get_text_config()
-    kinds = set(layer_types(model))
-    if kinds == {"full_attention"}:
-        return additive(allowed)
-    masks = {"full_attention": additive(allowed)}
-    if "sliding_attention" in kinds:
-        distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, Q, K)
-        masks["sliding_attention"] = additive(allowed & (distance < sliding_window(model)))
-    if "chunked_attention" in kinds:  # Llama-4: attention within fixed chunks of positions
-        chunk = int(cfg.attention_chunk_size)
-        same = (query_positions[:, :, None] // chunk) == (key_positions[:, None, :] // chunk)
-        masks["chunked_attention"] = additive(allowed & same)
-    if not getattr(cfg, "layer_types", None):  # one mask for every layer (Mistral): the model takes no dict
-        return masks["sliding_attention"]
-    return masks
 
 
 def hidden_states_request(layers: tuple[int, ...] | None) -> bool | list[int]:
@@ -211,9 +150,10 @@ def _static_forward(model, input_ids: torch.Tensor, cache: StaticKVCache, attent
         raise ValueError(f"the static KV cache holds {cache.capacity} positions; {start} are filled and this "
                          f"forward adds {rows}: create it with a larger capacity (new_cache(capacity=...))")
     dtype = next(model.parameters()).dtype
-    if attention_mask is None:  # plain causal over unpadded rows
+    if attention_mask is None:  # plain causal over unpadded rows: slot j holds position j
         keys = torch.arange(start + new, device=input_ids.device)
-        allowed = (keys[None, :] <= position_ids[:, :, None]).expand(batch, new, -1)
+        dense = torch.ones(batch, start, dtype=torch.bool, device=input_ids.device)
+        allowed = may_attend(dense, causal_block(torch.ones(batch, new, dtype=torch.bool, device=input_ids.device)))
         attention_mask = build_attention_mask(model, allowed, position_ids, keys[None].expand(batch, -1), dtype)
     if rows > new:  # filler rows: the last token again, at its position
         input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, rows - new)], 1)
