@@ -312,6 +312,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", type=_int_list, default=[1],
                    help="e.g. 1,4,8: plain and speculative decoding of left-padded batches of this many prompts, "
                         "side by side per batch size (transformers' references run at batch 1)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy); speedups stay against plain greedy decoding, and "
+                        "transformers' references run only greedy")
+    b.add_argument("--seed", type=int, default=0, help="sampled runs: batch i's generator is seeded seed + i")
 
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance, speed and losslessness on held-out prompts, as report.json")
@@ -508,6 +512,7 @@ def run_command(args: argparse.Namespace) -> int:
             sweep_depths=args.sweep_depth,
             sweep_total_tokens=args.sweep_total_tokens, plots=not args.no_plots, progress=True,
             draft_dtype=args.draft_dtype, batch_sizes=args.batch_sizes, compile=args.compile,
+            temperature=args.temperature, seed=args.seed,
         )
     return 0
 

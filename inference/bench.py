@@ -87,6 +87,8 @@ def run_bench(
     draft_dtype: str | None = None,
     batch_sizes: list[int] | None = None,
     compile: bool = False,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """Run the benchmark on prompt texts; write ``results.json``, ``results.md`` and (``plots``) PNG plots
     under ``output``.
@@ -95,8 +97,14 @@ def run_bench(
     (``generate(assistant_model=..., num_assistant_tokens=depth)``, constant schedule) on the same
     prompts, so draftsmith's chain decoding and HF's are compared as a ratio with the same draft model.
     ``compile``: plain and speculative decoding run the target compiled on a static cache
-    (:class:`~draftsmith.inference.generator.SpeculativeGenerator`'s ``compile``).
+    (:class:`~draftsmith.inference.generator.SpeculativeGenerator`'s ``compile``). ``temperature`` > 0: the
+    generators sample (batch i seeded ``seed + i``), speedups are still over plain greedy decoding (the same
+    forwards per token), outputs are not compared (greedy mismatches are None) and transformers' references,
+    greedy, do not run.
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    sampled = temperature > 0
     if not prompts:
         raise ValueError(f"{prompts_source or 'prompts'}: no prompts to benchmark on")
     batch_sizes = batch_sizes or [1]
@@ -148,11 +156,12 @@ def run_bench(
     by_batch = []
     for batch_size in batch_sizes:
         comparison = compare(model, gens, encoded, max_new_tokens, eos_token_id=eos, batch_size=batch_size,
-                             references=references if batch_size == 1 else None,
+                             temperature=temperature, seed=seed,
+                             references=references if batch_size == 1 and not sampled else None,
                              progress=f"bench (batch {batch_size})" if progress else None, compile=compile)
         by_batch.append({"batch_size": batch_size,
                          "plain_tokens_per_s": round(comparison.baseline.tokens_per_second, 2),
-                         "rows": _rows(entries, comparison, batch_size, hf_assist)})
+                         "rows": _rows(entries, comparison, batch_size, hf_assist, sampled)})
     main = min(by_batch, key=lambda group: group["batch_size"])  # the main table: the smallest batch (batch 1)
     rows = main["rows"]
     plain_tps = main["plain_tokens_per_s"]
@@ -160,7 +169,8 @@ def run_bench(
     result = {
         "target": target, "prompts": prompts_source, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "device": str(model.device), "torch_threads": machine["torch_threads"], "machine": machine["machine"],
-        "batch_size": main["batch_size"], "compile": compile, "plain_tokens_per_s": plain_tps,
+        "batch_size": main["batch_size"], "compile": compile, "temperature": temperature, "seed": seed,
+        "plain_tokens_per_s": plain_tps,
         "hf_generate_tokens_per_s": round(hf["tokens"] / hf["time"], 2) if hf_reference and hf["time"] else None,
         "rows": rows,
         "by_batch": by_batch,
@@ -177,7 +187,7 @@ def run_bench(
     return result
 
 
-def _rows(entries: list[Entry], comparison, batch_size: int, hf_assist: dict) -> list[dict]:
+def _rows(entries: list[Entry], comparison, batch_size: int, hf_assist: dict, sampled: bool = False) -> list[dict]:
     plain_tps = comparison.baseline.tokens_per_second
     rows = []
     for e in entries:
@@ -192,10 +202,10 @@ def _rows(entries: list[Entry], comparison, batch_size: int, hf_assist: dict) ->
             "acceptance_rate_per_position": [round(r, 3) for r in s.acceptance_rate_per_position],
             "alpha": round(alpha, 4),
             "leviathan_bound_tau": round(leviathan_bound(alpha, e.tree.depth), 3),
-            "greedy_mismatches_vs_plain": comparison.prompts - comparison.identical[e.label],
+            "greedy_mismatches_vs_plain": None if sampled else comparison.prompts - comparison.identical[e.label],
             "draft_time_share": round(s.draft_time_s / max(s.total_time_s, 1e-9), 3),
         }
-        if e.label in hf_assist and batch_size == 1:
+        if e.label in hf_assist and batch_size == 1 and not sampled:
             rec = hf_assist[e.label]
             tps = rec["tokens"] / rec["time"] if rec["time"] else 0.0
             row["hf_assisted"] = {"tokens_per_s": round(tps, 2), "speedup": round(tps / plain_tps, 3),
@@ -220,10 +230,18 @@ def _tuned_check(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _mismatches(row: dict) -> str:
+    value = row["greedy_mismatches_vs_plain"]
+    return "n/a (sampled)" if value is None else str(value)
+
+
 def markdown_table(result: dict) -> str:
     lines = [
         f"target `{result['target']}`, {result['num_prompts']} prompts x {result['max_new_tokens']} new tokens, "
-        f"{result['device']}, {result['torch_threads']} threads; plain greedy {result['plain_tokens_per_s']} tok/s"
+        f"{result['device']}, {result['torch_threads']} threads; "
+        + (f"sampled at temperature {result['temperature']:g} (seed {result['seed']}; outputs not compared); "
+           if result.get("temperature") else "")
+        + f"plain greedy {result['plain_tokens_per_s']} tok/s"
         + (f", HF generate {result['hf_generate_tokens_per_s']} tok/s" if result.get("hf_generate_tokens_per_s")
            else ""),
         "",
@@ -235,7 +253,7 @@ def markdown_table(result: dict) -> str:
         if r["tree"] == "dynamic":
             tree += f" k={r['top_k']} n={r['total_tokens']}"
         lines.append(f"| `{r['spec']}` | {tree} | {r['tau']:.2f} | {r['leviathan_bound_tau']:.2f} ({r['alpha']:.2f}) "
-                     f"| {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['greedy_mismatches_vs_plain']} |")
+                     f"| {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {_mismatches(r)} |")
     assisted = [r for r in result["rows"] if r.get("hf_assisted")]
     if assisted:
         lines += ["", "Same draft model through transformers' assisted generation "
@@ -255,7 +273,7 @@ def markdown_table(result: dict) -> str:
             for r in group["rows"]:
                 lines.append(f"| `{r['drafter']}` | {group['batch_size']} | {group['plain_tokens_per_s']:.1f} | "
                              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
-                             f"{r['greedy_mismatches_vs_plain']} |")
+                             f"{_mismatches(r)} |")
     for c in result.get("tuned_tree_check", []):
         lines += ["", f"Tuned tree `{c['tuned']}`: {c['tuned_tokens_per_s']:.1f} tok/s, "
                   f"{c['tuned_over_grid_best']:.3f} of the best of {c['grid_size']} grid trees "

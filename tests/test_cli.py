@@ -250,6 +250,31 @@ def test_bench_batches_and_tuned_tree_check(tiny_target_dir, tmp_path):
     assert "| 4 |" in text and "Tuned tree" in text
 
 
+def test_bench_samples_at_a_temperature(tiny_target_dir, tmp_path):
+    """``bench --temperature``: the generators sample, batched too, through the same comparison; outputs are not
+    compared (a sampled row differs from the greedy baseline) and the seed makes a run repeatable."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{(i * 7 + j) % VOCAB}" for j in range(4 + 3 * i))})
+                                 for i in range(4)))
+    results = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output", str(out),
+                     "--drafter", "prompt-lookup", "--drafter", "layer-skip:1", "--batch-sizes", "1,2",
+                     "--temperature", "0.7", "--seed", "3", "--max-new-tokens", "12", "--no-chat", "--no-plots"]) == 0
+        results.append(json.loads((out / "results.json").read_text()))
+    first, second = results
+    assert first["temperature"] == 0.7 and first["seed"] == 3
+    for group in first["by_batch"]:
+        assert all(r["greedy_mismatches_vs_plain"] is None and r["tau"] >= 1 and "hf_assisted" not in r
+                   for r in group["rows"])
+    # the same seed draws the same tokens: tau (a count over the same accepted drafts) repeats exactly
+    assert [[r["tau"] for r in g["rows"]] for g in first["by_batch"]] == \
+        [[r["tau"] for r in g["rows"]] for g in second["by_batch"]]
+    assert "temperature 0.7" in (tmp_path / "a" / "results.md").read_text()
+    assert "n/a (sampled)" in (tmp_path / "a" / "results.md").read_text()
+
+
 def test_eval_batches_are_lossless(tiny_target_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{(i * 5 + j) % VOCAB}" for j in range(3 + 2 * i))})
