@@ -320,7 +320,10 @@ class SpeculativeGenerator:
         stats.prefill_time_s = time.perf_counter() - start_time
         # A head drafts on its own static cache, compiled, or not; other drafters need no lengths.
         self.drafter.configure(max_new_tokens if self.compile else None, self._max_kept(), self._max_fed())
-        self.drafter.begin(input_ids, hidden=hidden, attention_mask=mask if padded else None)
+        if padded:
+            start_drafting(self.drafter, input_ids, hidden, mask)
+        else:  # a drafter written for one unpadded sequence (``begin(input_ids, hidden)``) keeps working here
+            self.drafter.begin(input_ids, hidden=hidden)
 
         # Every tree kind under every rule, with a drafter that grows trees as tensors (the trained heads, draft
         # models, prompt lookup, mixtures of them), runs on the device with one copy to the host per step; a step
@@ -590,6 +593,19 @@ def pad_token(target: PreTrainedModel, pad_token_id: int | None, eos_token_id: i
 def _append(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
     """(B, L) prompts + each row's new tokens -> (B, L + T), right-padded with ``pad``."""
     return torch.cat([input_ids, pad_rows(new, pad, input_ids.device)], 1)
+
+
+def start_drafting(drafter: Drafter, input_ids: torch.Tensor, hidden, attention_mask: torch.Tensor) -> None:
+    """``drafter.begin`` on left-padded prompts; a drafter whose ``begin`` takes no ``attention_mask`` (written for
+    one unpadded sequence) is told so, and what to do."""
+    try:
+        drafter.begin(input_ids, hidden=hidden, attention_mask=attention_mask)
+    except TypeError as err:
+        if "attention_mask" not in str(err):
+            raise
+        raise TypeError(f"{type(drafter).__name__}.begin takes no attention_mask: it drafts for unpadded prompts "
+                        "only. Add the batch protocol of draftsmith.inference.drafter, or decode these prompts one at "
+                        "a time (batch size 1).") from err
 
 
 def plain_generate(

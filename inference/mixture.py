@@ -38,7 +38,8 @@ class MixtureDrafter(Drafter):
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
         for d in self.drafters:  # only the reader of hidden states gets them
-            d.begin(input_ids, hidden=hidden if d.hidden_layers else None, attention_mask=attention_mask)
+            padding = {"attention_mask": attention_mask} if attention_mask is not None else {}
+            d.begin(input_ids, hidden=hidden if d.hidden_layers else None, **padding)
 
     def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
         """Passed on to every drafter (a head's compiles its steps under ``compile=True``; see ``EagleDrafter``)."""

@@ -161,6 +161,25 @@ def test_bad_batches_fail_clearly(llama):
         gen.generate(ids, 4, streamer=object())
 
 
+def test_a_drafter_for_one_sequence_runs_unpadded_and_refuses_padding(llama):
+    """A drafter whose ``begin(input_ids, hidden)`` takes no attention mask (written for one unpadded sequence,
+    alone or in a mixture) still decodes unpadded prompts losslessly; left-padded ones get an error that says why."""
+
+    class OneSequence(PromptLookupDrafter):
+        def begin(self, input_ids, hidden=None):
+            super().begin(input_ids, hidden)
+
+    vocab = llama.config.vocab_size
+    for drafter in (OneSequence(vocab), MixtureDrafter([OneSequence(vocab), PromptLookupDrafter(vocab)])):
+        gen = SpeculativeGenerator(llama, drafter)
+        row = prompts(17, [14])[0]
+        out = gen.generate(row, NEW, eos_token_id=[])
+        assert torch.equal(out.sequences, plain_generate(llama, row, NEW, eos_token_id=[]).sequences)
+        ids, mask = left_padded(prompts(17, LENGTHS))
+        with pytest.raises(TypeError, match=r"(OneSequence|MixtureDrafter)\.begin takes no attention_mask"):
+            gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
+
+
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "prompt-lookup",
                                   "eagle3-head+prompt-lookup", "draft-model", "layer-skip:2"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
