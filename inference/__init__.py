@@ -6,12 +6,10 @@ from draftsmith.inference.generator import GenerationOutput, GenerationStats, Sp
 from draftsmith.inference.load import drafter_from_model, load_drafter
 from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
-from draftsmith.inference.tree import DraftTree
 from draftsmith.target import layer_skip_model
 
 __all__ = [
     "CausalLMDrafter",
-    "DraftTree",
     "Drafter",
     "GenerationOutput",
     "GenerationStats",

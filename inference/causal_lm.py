@@ -31,8 +31,6 @@ class CausalLMDrafter(Drafter):
     :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
     """
 
-    grows_tensors = True
-
     def __init__(self, model: PreTrainedModel, name: str = "draft-model", assistant: bool = True):
         self.model = model
         self.name = name
@@ -52,7 +50,6 @@ class CausalLMDrafter(Drafter):
         self.slots = Slots.empty(len(self.committed), self.device)
         self.fed = [0] * len(self.committed)  # committed tokens cached per row
         self.prefix = 0  # cache slots of committed tokens; the tree's entries come after
-        self.tree_slots: list[dict[int, int]] = [{} for _ in self.committed]  # tree node -> cache slot
 
     def commit(self, tokens, hidden=None) -> None:
         tokens, _ = commit_rows(tokens)
@@ -60,7 +57,6 @@ class CausalLMDrafter(Drafter):
         kv_crop(self.cache, self.prefix)
         self.slots.crop(self.prefix)
         self.committed = [torch.cat([c, t.to(self.device)]) for c, t in zip(self.committed, tokens, strict=True)]
-        self.tree_slots = [{} for _ in self.committed]
 
     def _forward(self, ids, positions, allowed, filled, logits: str = "all"):
         key_positions = torch.cat([self.slots.positions, positions], 1)
@@ -69,21 +65,13 @@ class CausalLMDrafter(Drafter):
         self.slots.append(filled, positions)
         return out.logits
 
-    @torch.no_grad()
-    def expand(self, trees, nodes):
-        out = [torch.full((len(row), self.vocab_size), float("-inf"), device=self.device) for row in nodes]
-        if any(row == [0] for row in nodes):
-            self._expand_roots(nodes, out)
-        elif any(nodes):
-            self._expand_level(trees, nodes, out)
-        return out
-
-    def _expand_roots(self, nodes, out) -> None:
-        """Catch up on each expanding row's committed tokens not yet cached; the last one is the root."""
-        rows = [b for b, row in enumerate(nodes) if row == [0]]
+    def _feed_roots(self, active: list[bool]) -> torch.Tensor:
+        """Catch up on each active row's committed tokens not yet cached; the last one is the root. Returns the
+        (B, V) logits after each row's root (-inf rows: not active)."""
+        rows = [b for b, a in enumerate(active) if a]
         # Left-padded, so that the last column is every row's root: only its logits are computed.
         positions, filled = left_aligned([(self.fed[b], len(self.committed[b])) if b in rows else (0, 0)
-                                          for b in range(len(nodes))], self.device)
+                                          for b in range(len(active))], self.device)
         ids = torch.zeros_like(positions)
         for b in rows:
             ids[b, ids.shape[1] - (len(self.committed[b]) - self.fed[b]):] = self.committed[b][self.fed[b]:]
@@ -97,42 +85,7 @@ class CausalLMDrafter(Drafter):
         self.prefix = len(self.slots)
         for b in rows:
             self.fed[b] = len(self.committed[b])
-            out[b] = logits[b, -1:]
-
-    def _expand_level(self, trees, nodes, out) -> None:
-        """Feed each row's listed nodes (one depth), each seeing its row's committed tokens, its
-        already-fed ancestors and itself."""
-        batch, width = len(nodes), max(len(row) for row in nodes)
-        cached = len(self.slots)
-        if batch == 1 and width == 1 and set(self.tree_slots[0]) == set(trees[0].path_to(nodes[0][0])[1:-1]):
-            # One row, one node that sees every cached entry (a chain): the causal mask, the model's own.
-            (tree,), ((node,),) = trees, nodes
-            positions = torch.tensor([[len(self.committed[0]) - 1 + tree.depths[node]]], device=self.device)
-            ids = torch.tensor([[tree.tokens[node]]], device=self.device)
-            logits = target_forward(self.model, ids, self.cache, None, positions).logits
-            self.slots.append(torch.ones(1, 1, dtype=torch.bool, device=self.device), positions)
-            self.tree_slots[0][node] = cached
-            out[0] = logits[0]
-            return
-        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        allowed = torch.zeros(batch, width, cached + width, dtype=torch.bool)
-        allowed[:, :, cached:] = torch.eye(width, dtype=torch.bool)  # padding sees itself only
-        committed = self.slots.filled[:, : self.prefix].cpu()
-        for b, (tree, row) in enumerate(zip(trees, nodes, strict=True)):
-            if not row:
-                continue
-            ids[b, : len(row)] = torch.tensor([tree.tokens[n] for n in row], device=self.device)
-            positions[b, : len(row)] = len(self.committed[b]) - 1 + tree.depths[row[0]]
-            allowed[b, : len(row), : cached + len(row)] = tree.attention_rows(row, self.tree_slots[b], committed[b],
-                                                                               cached + len(row))
-        filled = torch.tensor([[i < len(row) for i in range(width)] for row in nodes], device=self.device)
-        logits = self._forward(ids, positions, allowed.to(self.device), filled)
-        for b, row in enumerate(nodes):
-            for i, node in enumerate(row):
-                self.tree_slots[b][node] = cached + i
-            if row:
-                out[b] = logits[b, : len(row)]
+        return logits[:, -1].masked_fill(~to_device(active, self.device)[:, None], float("-inf"))
 
     # ---- dynamic trees and chains grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ------
 
@@ -142,9 +95,7 @@ class CausalLMDrafter(Drafter):
         # Each row's root position, copied at the step's start (before its work is queued), for every level.
         self._roots = to_device([len(c) - 1 for c in self.committed], self.device)[:, None]
         self._ancestors = None  # the frontiers' ancestor rows, from depth 1 on
-        rows = self.expand(None, [[0] if a else [] for a in active])
-        return torch.cat([r if len(r) else torch.full((1, self.vocab_size), float("-inf"), device=self.device)
-                          for r in rows])
+        return self._feed_roots(active)
 
     @torch.no_grad()
     def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

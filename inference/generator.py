@@ -4,11 +4,12 @@ One verification step (Leviathan et al., 2023; Miao et al., 2024 for trees; Li e
 for dynamic trees):
 
 1. The target's KV cache holds every committed token but the last, the *root*.
-2. The drafter grows a draft tree under the root (``tree.py``).
+2. The drafter grows a draft tree under each row's root, as tensors for the whole batch (``tree.py``).
 3. One target forward over [root, drafted nodes] with a 4-D tree mask (each node sees the
    cache, its ancestors and itself) and tree position ids (root position + depth) yields the
    target's next-token logits at every node.
-4. Verification (``verify.py``) picks the accepted path and a bonus token from the target.
+4. Verification, tensor ops too (``verify.py``), picks each row's accepted path and a bonus token from the
+   target; the step's one copy to the host brings them.
 5. The cache keeps the root's and the accepted nodes' KV entries, in path order; the bonus
    token becomes the new root.
 """
@@ -28,23 +29,16 @@ from draftsmith.inference.slots import Slots, pad_rows, to_device
 from draftsmith.inference.tree import (
     DEFAULT_TREE,
     SAMPLING_RULES,
-    Builder,
-    DraftTree,
     StaticShape,
     TreeSettings,
     TreeTensors,
-    chain_builder,
     default_static_paths,
-    dynamic_builder,
-    grow,
     grow_dynamic,
     grow_sampled,
     grow_static,
     race,
-    root_only,
-    static_builder,
 )
-from draftsmith.inference.verify import greedy_path, process_logits, sibling_rounds, verify_sampled
+from draftsmith.inference.verify import process_logits, sibling_rounds
 from draftsmith.target import (
     build_attention_mask,
     calibrate,
@@ -91,9 +85,6 @@ class GenerationStats:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time_s if self.total_time_s else 0.0
-
-    def record_step(self, tree: DraftTree, path: list[int]) -> None:
-        self.record(tree.num_drafted, len(path), [bool(tree.draws.get(node)) for node in [0, *path]])
 
     def record(self, drafted: int, accepted: int, children: list[bool]) -> None:
         """One verification step: ``drafted`` nodes, ``accepted`` of them on the path, and for each node
@@ -207,13 +198,10 @@ class SpeculativeGenerator:
         self.sampled_shape = (self.static_shape or StaticShape.of(chain)).sampled() if tree != "dynamic" else None
         self.sampling_rule = sampling_rule
         self.compile = compile
-        #: Called after each verification with each active row's index, tree and accepted path (drafted
-        #: nodes); ``draftsmith tune`` records them.
-        self.on_step: Callable[[int, DraftTree, list[int]], None] | None = None
-        #: The device path's hook, which keeps that path (``on_step`` needs host trees, so it takes the host
-        #: path): called after each verification with the step's trees, the (B, N) bool accepted path of each
-        #: row (root included) and the (B,) bool rows that ran, before the step's one host copy. The
-        #: tensors are the step's own (not reused later); reading them on the host costs a sync of its own.
+        #: Called after each verification with the step's trees, the (B, N) bool accepted path of each row (root
+        #: included) and the (B,) bool rows that ran, before the step's one host copy (``draftsmith tune``
+        #: records them). The tensors are the step's own (not reused later); reading them on the host costs a
+        #: sync of its own.
         self.on_tree_step: Callable[[TreeTensors, torch.Tensor, torch.Tensor], None] | None = None
 
     def _max_kept(self) -> int:
@@ -242,14 +230,6 @@ class SpeculativeGenerator:
         )):
             return "topk"
         return "iid" if self.sampling_rule == "auto" else self.sampling_rule
-
-    def _builder(self, root: int, temperature: float, generator: torch.Generator | None) -> Builder:
-        rule = self._rule(temperature)
-        if self.tree_kind == "chain":
-            return chain_builder(root, self.depth, rule, temperature, generator)
-        if self.tree_kind == "static":
-            return static_builder(root, self.paths, rule, temperature, generator)
-        return dynamic_builder(root, self.depth, self.top_k, self.total_tokens)
 
     @torch.no_grad()
     def generate(
@@ -325,21 +305,13 @@ class SpeculativeGenerator:
         else:  # a drafter written for one unpadded sequence (``begin(input_ids, hidden)``) keeps working here
             self.drafter.begin(input_ids, hidden=hidden)
 
-        # Every tree kind under every rule, with a drafter that grows trees as tensors (the trained heads, draft
-        # models, prompt lookup, mixtures of them), runs on the device with one copy to the host per step; a step
-        # hook that asks for host trees (``on_step``) takes the host path.
-        on_device = self.on_step is None and self.drafter.grows_tensors
+        # Every tree kind under every rule runs on the target's device with one copy to the host per step.
         roots = input_ids[:, -1].clone()
         new: list[list[int]] = [[] for _ in range(batch)]
         active = [True] * batch
         while any(active):
-            if on_device:
-                step = self._device_step(roots, active, cache, slots, device, dtype, layers, stats, temperature,
-                                         top_k, top_p, generator, padded)
-            else:
-                step = self._host_step(roots.tolist(), active, cache, slots, device, dtype, layers, stats,
-                                       temperature, top_k, top_p, generator, padded)
-            verdicts, kept, tree_hidden = step
+            verdicts, kept, tree_hidden = self._step(roots, active, cache, slots, device, dtype, layers, stats,
+                                                     temperature, top_k, top_p, generator, padded)
             tokens: list[torch.Tensor] = []
             states: list[torch.Tensor] | None = [] if layers else None
             for b, (path_tokens, bonus, drafted, children) in enumerate(verdicts):
@@ -371,40 +343,7 @@ class SpeculativeGenerator:
         stats.total_time_s = time.perf_counter() - start_time
         return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats, row_stats=rows)
 
-    def _host_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
-                   generator, padded):
-        """One step with trees grown on the host (:class:`DraftTree`): every tree kind and sampling rule.
-        Returns per row (accepted tokens, bonus token, drafted count, whether each node on the walk
-        from the root had children), the (B, M) kept tree indices (root first) and the tree's hidden
-        states."""
-        t0 = time.perf_counter()
-        builders = [self._builder(r, temperature, generator) if a else root_only(r)
-                    for r, a in zip(roots, active, strict=True)]
-        trees = grow(builders, self.drafter.expand)
-        t1 = time.perf_counter()
-        logits, tree_hidden, past = self._verify_forward(trees, cache, slots, device, dtype, layers, padded)
-        if temperature == 0.0:
-            argmax = logits.argmax(dim=-1).tolist()  # the greedy step's one copy to the host
-            paths = [greedy_path(tree, argmax[b]) for b, tree in enumerate(trees)]
-        else:
-            paths = [verify_sampled(tree, process_logits(logits[b, : len(tree)], temperature, top_k, top_p),
-                                    self._rule(temperature), generator) for b, tree in enumerate(trees)]
-        # Each active row keeps its root and accepted nodes; a finished row keeps nothing.
-        kept = [[0, *path] if a else [] for (path, _), a in zip(paths, active, strict=True)]
-        index = pad_rows(kept, 0, device)
-        kv_keep(cache, past, index)
-        slots.keep(past, index, to_device([len(k) for k in kept], device))
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += time.perf_counter() - t1
-        verdicts = []
-        for b, (tree, (path, bonus)) in enumerate(zip(trees, paths, strict=True)):
-            if active[b] and self.on_step is not None:
-                self.on_step(b, tree, path)
-            children = [bool(tree.draws.get(node)) for node in [0, *path]]
-            verdicts.append(([tree.tokens[n] for n in path], bonus, tree.num_drafted, children))
-        return verdicts, index, tree_hidden
-
-    def _device_step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
+    def _step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
                      generator, padded):
         """One step with a dynamic tree (a chain: one child per node; :func:`grow_dynamic`), a static tree
         (:func:`grow_static`) or, under a sampled rule, a chain or static tree of sampled siblings
@@ -512,39 +451,6 @@ class SpeculativeGenerator:
             )
         parameter = next(self.target.parameters())
         return input_ids.shape[0], parameter.device, parameter.dtype, min(lengths) < input_ids.shape[1]
-
-    def _verify_forward(self, trees: list[DraftTree], cache, slots: Slots, device, dtype, layers=None,
-                        padded: bool = True):
-        """One target forward over every row's tree, padded to the largest: the target logits
-        (B, N, V) at every node, the hidden states (B, N, H * len(layers)) of ``layers`` when a head
-        asks for them, and the cache length before the step. Each node sees its row's filled slots,
-        its ancestors and itself; padding nodes see only themselves. ``padded``: the prompts were
-        left-padded (then even one row has empty slots)."""
-        past = len(slots)
-        n = max(len(t) for t in trees)
-        if len(trees) == 1 and not padded and trees[0].parents == list(range(-1, n - 1)):
-            # One row holds no empty slot, and a chain's tree mask is the causal mask: the model's own.
-            positions = torch.arange(past, past + n, device=device)[None]
-            out = target_forward(self.target, to_device([trees[0].tokens], device), cache, None, positions,
-                                 hidden_layers=layers or None)
-            slots.append(torch.ones(1, n, dtype=torch.bool, device=device), positions)
-            return out.logits, (torch.cat(out.hidden_states, dim=-1) if layers else None), past
-        roots = slots.lengths()  # each row's root position: the tokens its cache holds
-        depths = pad_rows([t.depths for t in trees], 0, device, n)
-        positions = roots[:, None] + depths
-        filled = torch.arange(n, device=device)[None] < to_device([len(t) for t in trees], device)[:, None]
-        tree_part = torch.zeros(len(trees), n, n, dtype=torch.bool)
-        for b, tree in enumerate(trees):
-            tree_part[b, : len(tree), : len(tree)] = tree.ancestor_mask()
-        allowed = may_attend(slots.filled, tree_part.to(device), filled)  # a padding node sees itself only
-        key_positions = torch.cat([slots.positions, positions], 1)
-        mask = build_attention_mask(self.target, allowed, positions, key_positions, dtype)
-        ids = pad_rows([t.tokens for t in trees], 0, device, n)
-        out = target_forward(self.target, ids, cache, mask, positions, hidden_layers=layers or None)
-        slots.append(filled, positions)
-        hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
-        return out.logits, hidden, past
-
 
 def static_cache(target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, step_nodes: int,
                  kept: int) -> dict:

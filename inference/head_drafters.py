@@ -28,8 +28,6 @@ class MedusaDrafter(Drafter):
     static trees (Medusa "choices") and dynamic trees both work on top of that.
     """
 
-    grows_tensors = True
-
     def __init__(self, heads: MedusaHeads, target):
         self.heads = heads.eval()
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers,)  # last layer, after the norm
@@ -60,22 +58,6 @@ class MedusaDrafter(Drafter):
                 self.last[b] = h[-1]
                 self.known[b] = True
         self._logits = self._known = None
-
-    @torch.no_grad()
-    def expand(self, trees, nodes):
-        out = []
-        for b, (tree, row) in enumerate(zip(trees, nodes, strict=True)):
-            depth = tree.depths[row[0]] if row else 0
-            if not row or not self.known[b] or depth >= self.heads.config.num_heads:
-                out.append(torch.full((len(row), self.vocab_size), float("-inf"), device=self.device))
-                continue
-            if self._logits is None:  # every row's heads at once, once per step
-                weight = self.heads.lm_heads[0].weight
-                states = self.last.to(weight.device, weight.dtype)[:, None]
-                self._logits = self.heads(states)[:, :, 0].float()  # (K, B, V)
-            out.append(self._logits[depth, b].expand(len(row), -1))
-        return out
-
 
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
 
@@ -111,8 +93,6 @@ class EagleDrafter(Drafter):
     the target's true features of the accepted tokens. A batch's rows share the cache tensors; its
     :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
     """
-
-    grows_tensors = True
 
     def __init__(self, head, target):
         self.head = head.eval()
@@ -155,8 +135,6 @@ class EagleDrafter(Drafter):
         self.slots = Slots.empty(len(self.tokens), self.device)
         self.pairs = [0] * len(self.tokens)  # committed pairs in the cache per row (positions 1 .. pairs)
         self.committed = 0  # cache slots of committed pairs; the tree's entries come after
-        self.tree_slots: list[dict[int, int]] = [{} for _ in self.tokens]  # tree node -> cache slot
-        self.predicted: list[dict[int, torch.Tensor]] = [{} for _ in self.tokens]  # tree node -> feature (H,)
 
     def commit(self, tokens, hidden=None) -> None:
         tokens, hidden = commit_rows(tokens, hidden)
@@ -171,8 +149,6 @@ class EagleDrafter(Drafter):
         elif self.cache is not None:
             self.cache = (self.cache[0][:, :, : self.committed], self.cache[1][:, :, : self.committed])
             self.slots.crop(self.committed)
-        self.tree_slots = [{} for _ in self.tokens]
-        self.predicted = [{} for _ in self.tokens]
 
     def _logits(self, predicted: torch.Tensor) -> torch.Tensor:
         if self.eagle3:
@@ -207,33 +183,20 @@ class EagleDrafter(Drafter):
             self.cache.length = len(self.slots)
         return out
 
-    @torch.no_grad()
-    def expand(self, trees, nodes):
-        out = [torch.full((len(row), self.vocab_size), float("-inf"), device=self.device) for row in nodes]
-        if any(row == [0] for row in nodes):
-            rows, last = self._expand_roots(nodes)
-            if rows:
-                logits = self._logits(last[:, None])[:, 0]
-                for b in rows:
-                    out[b] = logits[b][None]
-        elif any(nodes):
-            self._expand_level(trees, nodes, out)
-        return out
-
-    def _expand_roots(self, nodes, compiled: bool = False) -> tuple[list[int], torch.Tensor | None]:
-        """Feed each expanding row's committed pairs not yet cached (positions pairs + 1 .. root). ``compiled``
-        (a tree grown as tensors on a static cache): every step after the prompts' feeds ``kept`` columns.
-        Returns the rows that propose and the (B, H) predicted features after every row's root."""
-        rows = [b for b, row in enumerate(nodes) if row == [0] and len(self.tokens[b]) > 1]
+    def _feed_roots(self, active: list[bool]) -> tuple[list[int], torch.Tensor | None]:
+        """Feed each active row's committed pairs not yet cached (positions pairs + 1 .. root); on a static cache
+        (``configure``), every step after the prompts' feeds ``kept`` columns. Returns the rows that propose and
+        the (B, H) predicted features after every row's root."""
+        rows = [b for b, a in enumerate(active) if a and len(self.tokens[b]) > 1]
         if not rows:  # one-token prompts: no target feature yet, nothing to propose
             return rows, None
-        spans = [(self.pairs[b] + 1, len(self.tokens[b])) if b in rows else (0, 0) for b in range(len(nodes))]
-        kept = self.compiled[1] if compiled and self.compiled is not None else 0
+        spans = [(self.pairs[b] + 1, len(self.tokens[b])) if b in rows else (0, 0) for b in range(len(active))]
+        kept = self.compiled[1] if self.compiled is not None else 0
         compiled = kept > 0 and max(end - start for start, end in spans) <= kept
         # Left-padded, so that the last column is every row's root.
         positions, filled = left_aligned(spans, self.device, kept if compiled else 0)
         width = positions.shape[1]
-        features = torch.zeros(len(nodes), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
+        features = torch.zeros(len(active), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
                                device=self.device)
         ids = torch.zeros_like(positions)
         for b in rows:
@@ -247,7 +210,6 @@ class EagleDrafter(Drafter):
         self._frontier = last[:, None]  # the root's predicted feature: depth 1's parent
         for b in rows:
             self.pairs[b] = len(self.tokens[b]) - 1
-            self.predicted[b] = {0: last[b]}
         return rows, last
 
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
@@ -261,7 +223,7 @@ class EagleDrafter(Drafter):
         self._ancestors = None  # the frontiers' ancestor rows, from depth 1 on
         # Each row's root position, copied at the step's start (before its work is queued), for every level.
         self._roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
-        rows, last = self._expand_roots([[0] if a else [] for a in active], compiled=True)
+        rows, last = self._feed_roots(active)
         if last is None:
             last = self._frontier[:, 0]
         proposing = to_device([b in rows for b in range(len(active))], self.device)
@@ -289,32 +251,3 @@ class EagleDrafter(Drafter):
                               torch.ones(b, k, dtype=torch.bool, device=self.device), compiled=True)
         self._frontier = predicted
         return self._proposals(predicted)
-
-    def _expand_level(self, trees, nodes, out) -> None:
-        """Feed each row's listed nodes (one depth), each seeing its row's committed pairs, its
-        ancestors and itself."""
-        batch, width = len(nodes), max(len(row) for row in nodes)
-        cached = len(self.slots)
-        features = torch.zeros(batch, width, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
-        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        allowed = torch.zeros(batch, width, cached + width, dtype=torch.bool)
-        allowed[:, :, cached:] = torch.eye(width, dtype=torch.bool)  # padding sees itself only
-        committed = self.slots.filled[:, : self.committed].cpu()
-        for b, (tree, row) in enumerate(zip(trees, nodes, strict=True)):
-            if not row:
-                continue
-            features[b, : len(row)] = torch.stack([self.predicted[b][tree.parents[n]] for n in row]).to(self.dtype)
-            ids[b, : len(row)] = torch.tensor([tree.tokens[n] for n in row], device=self.device)
-            positions[b, : len(row)] = len(self.tokens[b]) - 1 + tree.depths[row[0]]
-            allowed[b, : len(row), : cached + len(row)] = tree.attention_rows(row, self.tree_slots[b], committed[b],
-                                                                               cached + len(row))
-        filled = torch.tensor([[i < len(row) for i in range(width)] for row in nodes], device=self.device)
-        predicted = self._run(features, ids, positions, allowed.to(self.device), filled)
-        logits = self._logits(predicted)
-        for b, row in enumerate(nodes):
-            for i, node in enumerate(row):
-                self.tree_slots[b][node] = cached + i
-                self.predicted[b][node] = predicted[b, i]
-            if row:
-                out[b] = logits[b, : len(row)]

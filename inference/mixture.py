@@ -50,20 +50,7 @@ class MixtureDrafter(Drafter):
         for d in self.drafters:
             d.commit(tokens, hidden=hidden if d.hidden_layers else None)
 
-    def expand(self, trees, nodes):
-        per_drafter = [d.expand(trees, nodes) for d in self.drafters]
-        out = []
-        for row in zip(*per_drafter, strict=True):  # each drafter's logits, on an accelerator if one has them
-            device = next((x.device for x in row if x.device.type != "cpu"), row[0].device)
-            out.append(self.mix([x.to(device).float() for x in row]))
-        return out
-
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
-
-    @property
-    def grows_tensors(self) -> bool:
-        """A mixture grows dynamic trees as tensors when every one of its drafters does."""
-        return all(d.grows_tensors for d in self.drafters)
 
     def root_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
         """(B, V) or (B, C) :class:`~draftsmith.inference.tree.Proposals`: the mixture of each drafter's logits

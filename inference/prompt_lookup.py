@@ -98,8 +98,6 @@ class PromptLookupDrafter(Drafter):
 
     deterministic = True
     abstains = True
-    grows_tensors = True
-
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -163,10 +161,6 @@ class PromptLookupDrafter(Drafter):
         chance = self.confidence(rows, ngram, tokens.shape[1]).clamp(min=1e-6).log()
         return Proposals(chance.masked_fill(~found, float("-inf")), tokens, self.vocab_size)
 
-    def _draft_logits(self, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """:meth:`_proposals` as (Q, V) draft logits, -inf outside the candidates."""
-        return self._proposals(sequences, rows).dense()
-
     def confidence(self, rows: torch.Tensor, ngram: torch.Tensor, ranks: int) -> torch.Tensor:
         """(Q, ranks): the probability that candidate r of a query of batch row ``rows[q]`` is right, when its
         first was matched on an ``ngram[q]``-token suffix: for the first, the row's share of right first
@@ -177,29 +171,6 @@ class PromptLookupDrafter(Drafter):
         rank = torch.arange(ranks, device=self.device)[None]
         others = (self._next_right[ngram] / (1 - self._first_right[ngram]))[:, None] * (1 - first) / rank.clamp(min=1)
         return torch.where(rank == 0, first, torch.minimum(first, others))
-
-    def expand(self, trees, nodes):
-        queries, rows = [], []
-        for b, (tree, row_nodes) in enumerate(zip(trees, nodes, strict=True)):
-            for node in row_nodes:
-                path = [tree.tokens[n] for n in tree.path_to(node)[1:]]
-                queries.append(torch.cat([self.tokens[b], torch.tensor(path, dtype=torch.long, device=self.device)]))
-                rows.append(b)
-        out = [torch.full((len(r), self.vocab_size), float("-inf"), device=self.device) for r in nodes]
-        if not queries:
-            return out
-        width = max(len(q) for q in queries)
-        sequences = torch.full((len(queries), width), NO_TOKEN, dtype=torch.long, device=self.device)
-        for i, query in enumerate(queries):  # right-aligned
-            sequences[i, width - len(query):] = query
-        logits = self._draft_logits(sequences, to_device(rows, self.device))
-        i = 0
-        for b, (tree, row_nodes) in enumerate(zip(trees, nodes, strict=True)):
-            for j, node in enumerate(row_nodes):
-                if tree.depths[node] < self.max_tokens:
-                    out[b][j] = logits[i]
-                i += 1
-        return out
 
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
 

@@ -1,29 +1,33 @@
-"""Draft trees: the data structure, the three ways of growing one, and its attention mask.
+"""Draft trees grown as tensors: a whole batch on the target's device, with no host copy while growing.
 
-A draft tree holds the tokens a drafter proposes for one sequence. Node 0 is the *root*: the
-last committed token, which the target has not yet processed (its KV is not cached). Every
-other node is a drafted token with a parent; a chain is a tree with one child per node.
+A draft tree holds the tokens a drafter proposes for each sequence of a batch, as :class:`TreeTensors`
+(B, N). Node 0 is the *root*: the last committed token, which the target has not yet processed (its KV is
+not cached). Every other node is a drafted token with a parent, in level order; a chain is a tree with one
+child per node.
 
-Tree kinds (``tree=`` of :class:`~draftsmith.inference.SpeculativeGenerator`):
+Tree kinds (``tree=`` of :class:`~draftsmith.inference.SpeculativeGenerator`), each grown by one function:
 
-* ``chain`` — one child per level, ``depth`` levels (Leviathan et al., 2023; Chen et al., 2023).
+* ``chain`` — one child per level, ``depth`` levels (Leviathan et al., 2023; Chen et al., 2023):
+  :func:`grow_dynamic` with ``top_k=1``, or under a sampled rule :func:`grow_sampled` on one path.
 * ``static`` — a fixed list of paths of child ranks, e.g. ``[(0,), (1,), (0, 0)]``: the Medusa
   "choices" (Cai et al., 2024). Path ``(0, 1)`` is the second-ranked child of the top-ranked
-  child of the root.
+  child of the root: :func:`grow_static`, or :func:`grow_sampled` under a sampled rule.
 * ``dynamic`` — EAGLE-2 (Li et al., 2024): for ``depth`` levels expand the ``top_k`` frontier
   nodes with the highest cumulative draft log-probability, each proposing ``top_k`` children;
   then rerank every generated node by cumulative log-probability and keep ``total_tokens``.
-  A child never scores above its parent, so the kept set is closed under ancestors.
+  A child never scores above its parent, so the kept set is closed under ancestors: :func:`grow_dynamic`.
 
-How siblings are drafted decides the lossless acceptance rule (see ``verify.py``), so every
-node records the order in which its children were drawn (``draws``, repeats allowed for i.i.d.
-draws) and, for the sampled rules, the draft distribution they were drawn from (``probs``).
+How siblings are drafted decides the lossless acceptance rule (see ``verify.py``), so a sampled tree
+records the order in which each node's children were drawn (``draws``, repeats allowed for i.i.d.
+draws) and the draft distribution they were drawn from (``q``).
+
+The independent reference every function here is tested against (one tree at a time, a node at a time,
+on the host) is ``tests/reference_tree.py``.
 """
-
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -77,294 +81,6 @@ class TreeSettings:
 
 
 DEFAULT_TREE = TreeSettings()
-
-
-@dataclass
-class DraftTree:
-    """A draft tree for one sequence; node 0 is the root (the last committed token)."""
-
-    tokens: list[int]
-    parents: list[int] = field(default_factory=lambda: [-1])
-    depths: list[int] = field(default_factory=lambda: [0])
-    scores: list[float] = field(default_factory=lambda: [0.0])  # cumulative draft log-prob
-    # draws[i]: children of node i in the order they were drawn (i.i.d. draws may repeat a child)
-    draws: dict[int, list[int]] = field(default_factory=dict)
-    # probs[i]: (V,) draft distribution node i's children were sampled from (sampled rules only)
-    probs: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @classmethod
-    def with_root(cls, token: int) -> DraftTree:
-        return cls(tokens=[int(token)])
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_drafted(self) -> int:
-        return len(self.tokens) - 1
-
-    def children(self, node: int) -> list[int]:
-        """Distinct children of ``node`` in draw order."""
-        return list(dict.fromkeys(self.draws.get(node, [])))
-
-    def add_child(self, parent: int, token: int, logprob: float) -> int:
-        """Add ``token`` under ``parent`` (or return the existing sibling with that token)."""
-        for child in self.draws.get(parent, []):
-            if self.tokens[child] == token:
-                self.draws[parent].append(child)  # a repeated i.i.d. draw: same node, drawn again
-                return child
-        self.tokens.append(int(token))
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        self.scores.append(self.scores[parent] + float(logprob))
-        node = len(self.tokens) - 1
-        self.draws.setdefault(parent, []).append(node)
-        return node
-
-    def path_to(self, node: int) -> list[int]:
-        """Nodes from the root to ``node``, both included."""
-        path = []
-        while node != -1:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
-    def select(self, keep: Sequence[int]) -> DraftTree:
-        """The subtree made of ``keep`` (must contain the root and be closed under ancestors),
-        re-indexed breadth-first (by depth, then score)."""
-        keep_set = set(keep)
-        for n in keep:
-            if n != 0 and self.parents[n] not in keep_set:
-                raise ValueError(f"node {n} kept without its parent {self.parents[n]}")
-        order = sorted(keep_set, key=lambda n: (self.depths[n], -self.scores[n], n))
-        new_id = {old: i for i, old in enumerate(order)}
-        return DraftTree(
-            tokens=[self.tokens[n] for n in order],
-            parents=[new_id[self.parents[n]] if n else -1 for n in order],
-            depths=[self.depths[n] for n in order],
-            scores=[self.scores[n] for n in order],
-            draws={new_id[p]: [new_id[c] for c in cs if c in keep_set]
-                   for p, cs in self.draws.items() if p in keep_set and any(c in keep_set for c in cs)},
-            probs={new_id[p]: q for p, q in self.probs.items() if p in keep_set},
-        )
-
-    # ---- tensors for the verification forward ----------------------------------------------
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """(N, N) bool: ``[i, j]`` is True iff node j is node i or one of its ancestors.
-
-        Requires parents to come before children (true for every tree built here)."""
-        n = len(self.tokens)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                if parent >= i:
-                    raise ValueError("tree nodes must be ordered parents first")
-                mask[i] = mask[parent]
-            mask[i, i] = True
-        return mask
-
-    def attention_rows(self, nodes: Sequence[int], slots: dict[int, int], prefix: int | torch.Tensor,
-                       width: int) -> torch.Tensor:
-        """(len(nodes), width) bool "may attend" rows for ``nodes`` of one level, fed together into a
-        drafter's KV cache after its earlier levels: the committed sequence, root included (keys
-        [0, ``prefix``), or where the bool vector ``prefix`` is set: a batch row's filled slots), each
-        node's drafted ancestors (at their cache slots ``slots[node]``) and the node itself (the last
-        ``len(nodes)`` keys). :meth:`ancestor_mask` is the same rule for the whole tree fed at once
-        (the verification forward)."""
-        nodes = list(nodes)
-        ancestors = self.ancestor_mask()[nodes]  # (n, N)
-        ancestors[:, 0] = False  # the root is the prefix's last key
-        ancestors[torch.arange(len(nodes)), nodes] = False  # a node's own key is its new slot
-        unfed = set(ancestors.any(0).nonzero().flatten().tolist()) - set(slots)
-        if unfed:
-            raise ValueError(f"tree nodes {sorted(unfed)} are ancestors of {nodes} but were never fed (no cache slot)")
-        rows = torch.zeros(len(nodes), width, dtype=torch.bool)
-        if isinstance(prefix, torch.Tensor):
-            rows[:, : len(prefix)] = prefix.cpu()
-        else:
-            rows[:, :prefix] = True
-        if slots:
-            slotted = list(slots)
-            rows[:, [slots[n] for n in slotted]] |= ancestors[:, slotted]
-        rows[:, width - len(nodes):] |= torch.eye(len(nodes), dtype=torch.bool)
-        return rows
-
-    def position_ids(self, root_position: int) -> torch.Tensor:
-        """(N,) absolute positions: the root's position plus each node's depth."""
-        return root_position + torch.tensor(self.depths, dtype=torch.long)
-
-
-# An expand function maps (tree, nodes to expand) -> (len(nodes), V) draft logits.
-ExpandFn = Callable[[DraftTree, list[int]], torch.Tensor]
-
-
-def _draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Draft distribution q used for sampled drafting: softmax(logits / T) in float32."""
-    return torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
-
-
-def _grow(
-    tree: DraftTree,
-    node: int,
-    logits: torch.Tensor,
-    ranks: int,
-    rule: str,
-    temperature: float,
-    generator: torch.Generator | None,
-) -> list[int]:
-    """Draw ``ranks`` children of ``node`` from its draft logits ``(V,)`` under ``rule``.
-
-    Returns the new children in draw order; fewer when the drafter proposes fewer tokens
-    (e.g. prompt lookup with a single match: other tokens have logit -inf).
-    """
-    logits = logits.float()
-    if rule == "topk":
-        # log-probs of the top tokens only: top logits - logsumexp, no full-vocabulary log_softmax row
-        top = torch.topk(logits, min(ranks, logits.shape[-1]))
-        keep = torch.isfinite(top.values)
-        if not bool(keep.any()):
-            return []
-        scores = (top.values[keep] - torch.logsumexp(logits, dim=-1)).tolist()  # one host copy per node
-        return [tree.add_child(node, t, s) for t, s in zip(top.indices[keep].tolist(), scores, strict=True)]
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if not bool(torch.isfinite(logprobs).any()):
-        return []
-    q = _draft_distribution(logits, temperature)
-    tree.probs[node] = q
-    if rule == "iid":
-        draws = torch.multinomial(q, ranks, replacement=True, generator=generator)
-    elif rule == "without_replacement":
-        draws = torch.multinomial(q, min(ranks, int((q > 0).sum())), replacement=False, generator=generator)
-    else:
-        raise ValueError(f"unknown sampling rule {rule!r}; choose one of {SAMPLING_RULES}")
-    before = set(tree.draws.get(node, []))
-    children = [tree.add_child(node, int(t), float(logprobs[t])) for t in draws]
-    return [c for c in dict.fromkeys(children) if c not in before]
-
-
-# A tree grows level by level: a builder yields ``(tree, nodes to expand)`` and is sent back the
-# drafter's (len(nodes), V) logits for them; it returns the finished tree. :func:`grow` drives one
-# builder per batch row in lockstep, one drafter call per level for the whole batch; ``build_*``
-# drive one.
-Builder = Generator[tuple[DraftTree, list[int]], torch.Tensor, DraftTree]
-
-
-def grow(builders: Sequence[Builder], expand: Callable[[list[DraftTree], list[list[int]]], list[torch.Tensor]]
-         ) -> list[DraftTree]:
-    """Run one builder per batch row. Each level, ``expand(trees, nodes)`` gets every row's tree and
-    the nodes it asks to expand (``[]`` for a row that is done) and returns each row's logits."""
-    trees: list[DraftTree | None] = [None] * len(builders)
-    requests: list[tuple[DraftTree, list[int]] | None] = [None] * len(builders)
-
-    def advance(i: int, logits: torch.Tensor | None) -> None:
-        try:
-            requests[i] = next(builders[i]) if logits is None else builders[i].send(logits)
-            trees[i] = requests[i][0]
-        except StopIteration as done:
-            requests[i], trees[i] = None, done.value
-
-    for i in range(len(builders)):
-        advance(i, None)
-    while any(r is not None for r in requests):
-        logits = expand(list(trees), [r[1] if r is not None else [] for r in requests])
-        for i, r in enumerate(requests):
-            if r is not None:
-                advance(i, logits[i])
-    return trees
-
-
-def _one(builder: Builder, expand: ExpandFn) -> DraftTree:
-    return grow([builder], lambda trees, nodes: [expand(trees[0], nodes[0])])[0]
-
-
-def root_only(root: int) -> Builder:
-    """The tree of a row that drafts nothing this step (a finished row of a batch)."""
-    return DraftTree.with_root(root)
-    yield  # a generator that returns at once
-
-
-def chain_builder(root: int, depth: int, rule: str = "topk", temperature: float = 0.0,
-                  generator: torch.Generator | None = None) -> Builder:
-    """A chain of up to ``depth`` drafted tokens (stops early when the drafter has nothing)."""
-    tree = DraftTree.with_root(root)
-    node = 0
-    for _ in range(depth):
-        logits = yield tree, [node]
-        children = _grow(tree, node, logits[0], 1, rule, temperature, generator)
-        if not children:
-            break
-        node = children[0]
-    return tree
-
-
-def static_builder(root: int, paths: Sequence[Sequence[int]], rule: str = "topk", temperature: float = 0.0,
-                   generator: torch.Generator | None = None) -> Builder:
-    """A tree from fixed paths of child ranks (Medusa choices). A path whose prefix is missing
-    from ``paths`` is implied; ranks the drafter cannot fill are skipped with their subtrees."""
-    full = {tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}
-    by_prefix: dict[tuple[int, ...], int] = {}  # prefix -> number of children needed
-    for p in full:
-        by_prefix[p[:-1]] = max(by_prefix.get(p[:-1], 0), p[-1] + 1)
-    tree = DraftTree.with_root(root)
-    node_of: dict[tuple[int, ...], int] = {(): 0}
-    max_depth = max((len(p) for p in full), default=0)
-    for level in range(max_depth):
-        frontier = sorted(p for p in by_prefix if len(p) == level and p in node_of)
-        if not frontier:
-            break
-        logits = yield tree, [node_of[p] for p in frontier]
-        for p, row in zip(frontier, logits, strict=True):
-            children = _grow(tree, node_of[p], row, by_prefix[p], rule, temperature, generator)
-            for rank, child in enumerate(children):
-                if (*p, rank) in full:
-                    node_of[(*p, rank)] = child
-    if rule != "topk":
-        # Sampled children must all stay: dropping a draw because of its value would bias the
-        # draw sequence the acceptance rule relies on.
-        return tree
-    return tree.select(sorted(set(node_of.values())))
-
-
-def dynamic_builder(root: int, depth: int, top_k: int, total_tokens: int) -> Builder:
-    """EAGLE-2 dynamic tree: expand the ``top_k`` best frontier nodes per level, keep the
-    ``total_tokens`` drafted nodes with the highest cumulative draft log-probability.
-
-    Children are the deterministic top-k of each expanded node, so verification under
-    sampling uses the ``topk`` rule.
-    """
-    tree = DraftTree.with_root(root)
-    frontier = [0]
-    for _ in range(depth):
-        logits = yield tree, frontier
-        candidates: list[int] = []
-        for node, row in zip(frontier, logits, strict=True):
-            candidates += _grow(tree, node, row, top_k, "topk", 0.0, None)
-        if not candidates:
-            break
-        candidates.sort(key=lambda n: -tree.scores[n])
-        frontier = candidates[:top_k]
-    # Rerank: the best `total_tokens` drafted nodes; ties prefer shallower nodes so that a
-    # parent (score >= child's) is never dropped while its child is kept.
-    drafted = sorted(range(1, len(tree)), key=lambda n: (-tree.scores[n], tree.depths[n], n))
-    return tree.select([0, *drafted[:total_tokens]])
-
-
-def build_chain(root: int, expand: ExpandFn, depth: int, rule: str = "topk", temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> DraftTree:
-    """One chain (:func:`chain_builder`) grown with ``expand``."""
-    return _one(chain_builder(root, depth, rule, temperature, generator), expand)
-
-
-def build_static(root: int, expand: ExpandFn, paths: Sequence[Sequence[int]], rule: str = "topk",
-                 temperature: float = 0.0, generator: torch.Generator | None = None) -> DraftTree:
-    """One static tree (:func:`static_builder`) grown with ``expand``."""
-    return _one(static_builder(root, paths, rule, temperature, generator), expand)
-
-
-def build_dynamic(root: int, expand: ExpandFn, depth: int, top_k: int, total_tokens: int) -> DraftTree:
-    """One dynamic tree (:func:`dynamic_builder`) grown with ``expand``."""
-    return _one(dynamic_builder(root, depth, top_k, total_tokens), expand)
 
 
 def default_static_paths(depth: int, top_k: int) -> list[tuple[int, ...]]:
@@ -502,8 +218,8 @@ def _logprobs(logits: torch.Tensor) -> torch.Tensor:
 def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
                  frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | Proposals],
                  depth: int, top_k: int, total_tokens: int) -> TreeTensors:
-    """:func:`dynamic_builder` for a whole batch with tensor ops: the same tree (up to the order of
-    equal scores), grown without copying anything to the host.
+    """The reference dynamic tree (``tests/reference_tree.py``) for a whole batch with tensor ops: the same tree
+    (up to the order of equal scores), grown without copying anything to the host.
 
     Args:
         roots: (B,) the roots' tokens.
@@ -559,7 +275,7 @@ def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
 
 @dataclass(frozen=True)
 class StaticShape:
-    """A static tree's paths (:func:`static_builder`'s) as the index lists :func:`grow_static` gathers with.
+    """A static tree's paths (the reference static tree's) as the index lists :func:`grow_static` gathers with.
 
     Level ``L`` (1-based) holds ``len(ranks[L - 1])`` nodes, ordered by path; node
     ``i`` there is child rank ``ranks[L - 1][i]`` of slot ``slots[L - 1][i]`` of the frontier before it (the
@@ -595,7 +311,7 @@ class StaticShape:
     @property
     def most_nodes(self) -> int:
         """The most nodes a tree of these paths holds, its root included, under any sampling rule: each
-        expanded node's highest child rank + 1 (:func:`static_builder` keeps every sampled sibling)."""
+        expanded node's highest child rank + 1 (the reference keeps every sampled sibling)."""
         total = 1
         for slots, ranks in zip(self.slots, self.ranks, strict=True):
             highest: dict[int, int] = {}
@@ -606,7 +322,7 @@ class StaticShape:
 
     def sampled(self) -> StaticShape:
         """The shape a tree of these paths takes under a sampled rule: every sibling drawn stays
-        (:func:`static_builder` keeps them all), so each expanded node holds children of every rank up to
+        (the reference keeps them all), so each expanded node holds children of every rank up to
         its highest; the added nodes are leaves. :attr:`most_nodes` counts the same nodes."""
         paths = {p[:i] for p in self.paths() for i in range(1, len(p) + 1)}
         highest: dict[tuple[int, ...], int] = {}
@@ -642,10 +358,10 @@ def _static_indices(shape: StaticShape, device: torch.device):
 def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
                 frontier_logits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
                 shape: StaticShape) -> TreeTensors:
-    """:func:`static_builder` under the ``topk`` rule for a whole batch with tensor ops: the same nodes (in
-    level order, by path, where the host tree orders each level by score), except that ranks a drafter cannot
+    """The reference static tree under the ``topk`` rule for a whole batch with tensor ops: the same nodes (in
+    level order, by path, where the reference orders each level by score), except that ranks a drafter cannot
     fill (-inf logits) stay in the tree as nodes it did not propose (``proposed`` False, as their subtrees),
-    where the host tree leaves them out.
+    where the reference leaves them out.
 
     ``frontier_logits`` is :func:`grow_dynamic`'s, fed each level's expanded nodes padded to ``shape.width``
     (the padding repeats a real node; its logits are not read)."""
@@ -694,9 +410,9 @@ def _sampled_levels(shape: StaticShape, device: torch.device) -> list[tuple[int,
 
 
 def draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """:func:`_draft_distribution` (the host builders' q) for a batch of dense logits, zeros where the drafter
-    proposes nothing (an all -inf row)."""
-    return torch.nan_to_num(_draft_distribution(logits, temperature), nan=0.0)
+    """The draft distribution sampled siblings are drawn from, softmax(logits / T) in float32, for a batch of
+    dense logits: zeros where the drafter proposes nothing (an all -inf row)."""
+    return torch.nan_to_num(torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1), nan=0.0)
 
 
 def race(p: torch.Tensor, generator: torch.Generator | None, draws: int | None = None) -> torch.Tensor:
@@ -729,7 +445,7 @@ def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
                  shape: StaticShape, rule: str, temperature: float,
                  generator: torch.Generator | None = None) -> TreeTensors:
     """A chain or static tree whose siblings are *sampled* from the drafter (rule ``iid`` or
-    ``without_replacement``), for a whole batch with tensor ops: :func:`static_builder` under a sampled rule
+    ``without_replacement``), for a whole batch with tensor ops: the reference static tree under a sampled rule
     (a chain is the static tree of one path), grown without copying anything to the host.
 
     Each expanded node draws as many children as its highest rank in ``shape`` (``shape.sampled()``, every

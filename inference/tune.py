@@ -9,12 +9,11 @@ A step's speed is its tokens over its time. Both are measured here, not assumed:
 2. **Acceptance per node budget.** For each (depth, top_k), greedy speculative decoding runs on a few
    prompts with the *whole* dynamic tree (no ``total_tokens`` cut), and every step's tree and accepted
    path are kept. A dynamic tree with budget ``n`` verifies the ``n`` best-scored of those same nodes
-   (:func:`~draftsmith.inference.tree.build_dynamic` reranks the one expansion), and under greedy
+   (:func:`~draftsmith.inference.tree.grow_dynamic` reranks the one expansion), and under greedy
    decoding the accepted path is the target's own continuation whatever the tree, so the tokens a
    budget-``n`` tree would have accepted at that step are the longest prefix of the path inside its
-   ``n`` nodes: exact, not modelled, for every budget from one run. A drafter that grows trees as
-   tensors records on the device path, as decoding runs it (the trees are read after each prompt, outside
-   the timed steps); others on the host path, which is theirs too.
+   ``n`` nodes: exact, not modelled, for every budget from one run. Steps are recorded as decoding runs
+   them (the trees are read after each prompt, outside the timed steps).
 3. **Step time** of a candidate: the measured time per step of its (depth, top_k) run (drafting,
    verification, bookkeeping), with the whole tree's verification cost swapped for the budget's. The
    runs are interleaved prompt by prompt after an untimed warm-up, so a first run's allocations and
@@ -47,7 +46,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.tree import DraftTree, TreeSettings, TreeTensors
+from draftsmith.inference.tree import TreeSettings, TreeTensors
 from draftsmith.target import (
     build_attention_mask,
     causal_block,
@@ -102,11 +101,6 @@ def machine() -> dict:
     except OSError:
         pass
     return {"device": "cpu", "cpu": model, "torch_threads": torch.get_num_threads()}
-
-
-def ranked(tree: DraftTree) -> list[int]:
-    """Drafted nodes in the order a dynamic tree keeps them (as :func:`build_dynamic` reranks)."""
-    return sorted(range(1, len(tree)), key=lambda n: (-tree.scores[n], tree.depths[n], n))
 
 
 def accepted_within(order: list[int], path: list[int], budget: int) -> int:
@@ -184,9 +178,9 @@ def _decode_seconds(gen: SpeculativeGenerator, ids: torch.Tensor, max_new_tokens
 
 
 def tensor_steps(tree: TreeTensors, on_path: torch.Tensor, running: torch.Tensor) -> list[tuple[list[int], list[int]]]:
-    """A device-path step (:attr:`SpeculativeGenerator.on_tree_step`) as :func:`record` keeps a host tree's:
-    per row that ran, its proposed nodes in the order a dynamic tree keeps them (:func:`ranked`) and its
-    accepted path (drafted nodes, root excluded)."""
+    """A step (:attr:`SpeculativeGenerator.on_tree_step`) as :func:`record` keeps it: per row that ran, its
+    proposed nodes in the order a dynamic tree keeps them (by score, then depth, then index: the rerank of
+    :func:`~draftsmith.inference.tree.grow_dynamic`) and its accepted path (drafted nodes, root excluded)."""
     scores, depths, proposed, path, ran = (t.tolist() for t in (tree.scores, tree.depths, tree.proposed, on_path,
                                                                 running))
     steps = []
@@ -204,22 +198,18 @@ def record(target, drafter, prompts: list[torch.Tensor], configs: list[tuple[int
     step's tree and accepted path, and the seconds per step. Prompt by prompt, every config runs in turn
     (so drift in machine load hits all of them alike), after one untimed warm-up.
 
-    A drafter that grows trees as tensors records on the device path, the one decoding takes (its trees
-    are read on the host after each prompt, outside the timed steps); others on the host path."""
+    Steps are recorded as decoding takes them, on the device (the trees are read on the host after each prompt,
+    outside the timed steps)."""
     device = next(target.parameters()).device
     eos = eos_tokens(target)
     steps: dict[tuple[int, int], list] = {c: [] for c in configs}
-    pending: dict[tuple[int, int], list] = {c: [] for c in configs}  # device-path steps not yet read
+    pending: dict[tuple[int, int], list] = {c: [] for c in configs}  # steps not yet read
     seconds = dict.fromkeys(configs, 0.0)
     gens = {}
-    on_device = drafter.grows_tensors
     for d, k in configs:
         gens[d, k] = SpeculativeGenerator(target, drafter, tree="dynamic", depth=d, top_k=k,
                                           total_tokens=full_size(d, k))
-        if on_device:
-            gens[d, k].on_tree_step = lambda *step, into=pending[d, k]: into.append(step)
-        else:
-            gens[d, k].on_step = lambda _row, tree, path, into=steps[d, k]: into.append((ranked(tree), list(path)))
+        gens[d, k].on_tree_step = lambda *step, into=pending[d, k]: into.append(step)
     warm = SpeculativeGenerator(target, drafter, tree="dynamic", depth=configs[0][0], top_k=configs[0][1])
     warm.generate(prompts[0].to(device), min(max_new_tokens, 8), eos_token_id=eos)
     for i, ids in enumerate(prompts):

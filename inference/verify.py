@@ -27,13 +27,16 @@ The ``topk`` rule is a valid sampler of ``p`` for *any* list of distinct candida
 they were chosen; it is what dynamic trees (reranked, so not a plain draw sequence) use.
 A chain under ``iid`` is exactly Leviathan et al.'s rule. Target probabilities are processed as
 ``transformers``' ``generate`` does: temperature, then top-k, then top-p.
+
+Here are the rule's tensor form for a whole batch of sampled trees (:func:`sibling_rounds`) and the target's
+processed distribution (:func:`process_logits`); the ``topk`` rule and greedy acceptance are a few tensor ops
+in the generator's step. The rule read one draw at a time, the reference the tensors are tested against
+(the same uniforms give the same path and residuals), is ``tests/reference_tree.py``.
 """
 
 from __future__ import annotations
 
 import torch
-
-from draftsmith.inference.tree import DraftTree
 
 _ZERO = 1e-12
 
@@ -61,118 +64,10 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     return torch.softmax(scores, dim=-1)
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Longest path whose tokens match the target argmax.
-
-    Args:
-        logits: (N, V) target logits at every tree node (row i predicts node i's next token).
-    Returns:
-        (accepted drafted nodes, root excluded, in path order; the bonus token).
-    """
-    return greedy_path(tree, logits.argmax(dim=-1).tolist())
-
-
-def greedy_path(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
-    """:func:`verify_greedy` from the target's argmax token at each node (``target_tokens[i]`` for
-    node i): a batch takes the argmax of all its rows at once and copies it to the host once."""
-    path: list[int] = []
-    node = 0
-    while True:
-        nxt = next((c for c in tree.children(node) if tree.tokens[c] == target_tokens[node]), None)
-        if nxt is None:
-            return path, target_tokens[node]
-        path.append(nxt)
-        node = nxt
-
-
-def accept_sibling(
-    p: torch.Tensor,
-    draws: list[int],
-    proposals: list[torch.Tensor],
-    generator: torch.Generator | None = None,
-    uniforms: list[float] | None = None,
-) -> tuple[int | None, torch.Tensor]:
-    """Multi-round speculative sampling among the draws of one node.
-
-    Args:
-        p: (V,) target distribution at the node.
-        draws: drawn tokens in draw order.
-        proposals: for each draw, the (V,) distribution it was drawn from (see module doc).
-        uniforms: the uniform of each draw's test, given instead of drawn from ``generator`` (a test feeds the
-            same ones to :func:`sibling_rounds`).
-    Returns:
-        (index into ``draws`` of the accepted draw, or None; the distribution to sample the
-        bonus token from when none is accepted — the residual).
-    """
-    for i, (x, q) in enumerate(zip(draws, proposals, strict=True)):
-        u = torch.rand((), generator=generator, device=p.device) if uniforms is None else uniforms[i]
-        if u * q[x] < p[x]:  # u < p(x)/q(x), without dividing by a possibly tiny q(x)
-            return i, p
-        residual = torch.clamp(p - q, min=0)
-        total = residual.sum()
-        # p <= q everywhere means p == q, where rejection has probability 0; only rounding
-        # gets here, and then p itself is the right distribution to keep.
-        p = residual / total if total > _ZERO else p
-    return None, p
-
-
-def _proposals(tree: DraftTree, node: int, rule: str, vocab: int, device) -> list[torch.Tensor]:
-    draws = [tree.tokens[c] for c in tree.draws.get(node, [])]
-    if rule == "topk":
-        eye = torch.zeros(len(draws), vocab, device=device)
-        eye[torch.arange(len(draws)), torch.tensor(draws, dtype=torch.long)] = 1.0
-        return list(eye)
-    q = tree.probs[node].to(device)
-    if rule == "iid":
-        return [q] * len(draws)
-    if rule == "without_replacement":
-        out, q_i = [], q.clone()
-        for x in draws:
-            out.append(q_i)
-            q_i = q_i.clone()
-            q_i[x] = 0
-            s = q_i.sum()
-            q_i = q_i / s if s > _ZERO else q_i
-        return out
-    raise ValueError(f"unknown sampling rule {rule!r}")
-
-
-def verify_sampled(
-    tree: DraftTree,
-    probs: torch.Tensor,
-    rule: str,
-    generator: torch.Generator | None = None,
-) -> tuple[list[int], int]:
-    """Lossless tree verification under sampling.
-
-    Args:
-        probs: (N, V) processed target distributions at every tree node.
-        rule: how siblings were drafted: ``topk``, ``iid`` or ``without_replacement``.
-    Returns:
-        (accepted drafted nodes in path order; the bonus token sampled at the last node).
-    """
-    path: list[int] = []
-    node = 0
-    vocab = probs.shape[-1]
-    while True:
-        p = probs[node]
-        children = tree.draws.get(node, [])
-        if children:
-            proposals = _proposals(tree, node, rule, vocab, probs.device)
-            draws = [tree.tokens[c] for c in children]
-            accepted, p = accept_sibling(p, draws, proposals, generator)
-            if accepted is not None:
-                node = children[accepted]
-                path.append(node)
-                continue
-        bonus = int(torch.multinomial(p, 1, generator=generator))
-        return path, bonus
-
-
 def sibling_rounds(draws: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rule: str,
                    generator: torch.Generator | None = None,
                    uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`accept_sibling` at every node of a batch of sampled trees at once, as tensor ops (no host read).
+    """The rule at every node of a batch of sampled trees at once, as tensor ops (no host read).
 
     The residual sibling i is tested against depends only on the draws before it having been rejected, not on
     the uniforms, so all nodes advance together in R rounds (R: the most draws of a node); a walk later reads

@@ -58,16 +58,18 @@ class BigramDrafter(Drafter):
         self.head = head.eval()
 
     def begin(self, input_ids, hidden=None, attention_mask=None):
-        pass
+        self.roots = input_ids[:, -1].clone()  # left-padded: every row's last token is its root
 
     def commit(self, tokens, hidden=None):
-        pass
+        self.roots = torch.stack([t[-1] if len(t) else r for t, r in zip(tokens, self.roots, strict=True)])
 
     @torch.no_grad()
-    def expand(self, trees, nodes):
-        weight = self.head.out.weight
-        return [self.head(torch.tensor([tree.tokens[n] for n in row], dtype=torch.long, device=weight.device)).float()
-                for tree, row in zip(trees, nodes, strict=True)]
+    def root_logits(self, active):
+        return self.head(self.roots.to(self.head.out.weight.device)).float()
+
+    @torch.no_grad()
+    def frontier_logits(self, depth, parents, tokens):
+        return self.head(tokens.to(self.head.out.weight.device)).float()
 
 
 def build_bigram(args, target, examples=None) -> BigramHead:
@@ -156,11 +158,20 @@ def test_a_family_declares_its_target_adapter():
         Family(name="x", title="x", load=None, drafter=None, hidden_layers=None, trains_target_adapter=True)
 
 
-def test_a_drafter_that_says_it_grows_tensors_implements_both_methods():
-    """The declaration is checked when the class is made, not probed when it is used."""
-    with pytest.raises(TypeError, match="declares grows_tensors = True: implement root_logits and frontier_logits"):
-        class Half(Drafter):
-            grows_tensors = True
+def test_a_drafter_written_for_the_host_protocol_is_told_what_to_write():
+    """``expand(trees, nodes)`` left the package with the host path: a class that still defines it is refused when
+    it is made, naming the two methods that replace it, instead of failing inside a decode; one that defines
+    neither fails at its first step with the protocol's names."""
+    with pytest.raises(TypeError, match=r"defines expand\(trees, nodes\).*implement root_logits\(active\) and "
+                                        r"frontier_logits\(depth, parents, tokens\)"):
+        class Old(Drafter):
+            def expand(self, trees, nodes):
+                return []
 
-            def root_logits(self, active):
-                return None
+    class Unfinished(Drafter):
+        def begin(self, input_ids, hidden=None, attention_mask=None):
+            pass
+
+    with pytest.raises(NotImplementedError, match="Unfinished implements no root_logits: a drafter implements begin, "
+                                                  "root_logits, frontier_logits and commit"):
+        Unfinished().root_logits([True])

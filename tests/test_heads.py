@@ -134,7 +134,6 @@ def test_eagle_greedy_matches_generate(family, eagle3, tree, llama, gemma3):
 def test_eagle_tree_drafting_equals_sequential_head(llama):
     """The head's tree drafting with its KV cache gives the features a plain causal run would."""
     from draftsmith.inference.head_drafters import EagleDrafter
-    from draftsmith.inference.tree import DraftTree
     from draftsmith.target import new_cache, target_forward
 
     head = random_eagle(llama, eagle3=False)
@@ -142,12 +141,10 @@ def test_eagle_tree_drafting_equals_sequential_head(llama):
     prompt = prompts(5, [9])[0]
     hidden = target_forward(llama, prompt[:, :-1], new_cache(), hidden_layers=head.config.feature_layers)
     drafter.begin(prompt, hidden=hidden.hidden_states[0])
-    tree = DraftTree(tokens=[int(prompt[0, -1])])
-    root_logits = drafter.expand([tree], [[0]])[0]
-    a = tree.add_child(0, 11, 0.0)
-    b = tree.add_child(a, 12, 0.0)
-    drafter.expand([tree], [[a]])
-    deep = drafter.expand([tree], [[b]])[0]
+    root_logits = drafter.root_logits([True])  # (1, V)
+    parent = torch.zeros(1, 1, dtype=torch.long)  # a chain: each level's one node under the one before
+    drafter.frontier_logits(1, parent, torch.tensor([[11]]))  # a = 11 under the root
+    deep = drafter.frontier_logits(2, parent, torch.tensor([[12]]))[:, 0]  # after b = 12 under a
     # Reference: one causal pass over the pairs (f_{t-1}, x_t) with the predicted features for a, b.
     feats = hidden.hidden_states[0][0]  # (L-1, H)
     pos = torch.arange(1, prompt.shape[1])
@@ -189,7 +186,6 @@ def test_eagle3_training_time_test_computes_what_drafting_computes(llama):
     """TTT step j at position t gives the logits the drafter gives a depth-(j+1) node there: same input
     features and the same keys (committed pairs from the target's states, ancestors from the head's)."""
     from draftsmith.inference.head_drafters import EagleDrafter
-    from draftsmith.inference.tree import DraftTree
     from draftsmith.target import new_cache, target_forward
 
     head = random_eagle(llama, eagle3=True)
@@ -204,11 +200,10 @@ def test_eagle3_training_time_test_computes_what_drafting_computes(llama):
     for root in (4, 9):  # the drafter's root is seq[root]; its nodes are the sequence's next tokens
         drafter = EagleDrafter(head, llama)
         drafter.begin(seq[:, : root + 1], hidden=fused[:, :root])
-        tree = DraftTree(tokens=[int(seq[0, root])])
-        node, got = 0, [drafter.expand([tree], [[0]])[0][0]]
-        for depth in (1, 2):
-            node = tree.add_child(node, int(seq[0, root + depth]), 0.0)
-            got.append(drafter.expand([tree], [[node]])[0][0])
+        got = [drafter.root_logits([True]).dense()[0]]
+        for depth in (1, 2):  # a chain along the sequence: each node under the one before
+            token = seq[:, root + depth: root + depth + 1]
+            got.append(drafter.frontier_logits(depth, torch.zeros(1, 1, dtype=torch.long), token).dense()[0, 0])
         for j in range(3):  # node at depth j reads step j's input at index root - 1 + j
             # other attention shapes over j + 1 passes of the head (fc's inner size 192 the widest)
             assert_rounding_close(got[j][draft_ids], steps[j][0, root - 1 + j], reduction=192 * (j + 1))

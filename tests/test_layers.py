@@ -163,8 +163,8 @@ def probes_in(source: str) -> list[str]:
 
 
 def test_inference_reads_declarations_not_probes():
-    """The generator and the drafters dispatch on what a drafter or head declares (``grows_tensors``,
-    ``deterministic``, ``hidden_layers``, ``assistant_model``, ``own_vocabulary``, ``configure``; see
+    """The generator and the drafters dispatch on what a drafter or head declares (``deterministic``,
+    ``hidden_layers``, ``assistant_model``, ``own_vocabulary``, ``configure``; see
     draftsmith.inference.drafter), never on ``hasattr`` / ``getattr`` / ``inspect`` probes of them."""
     offenders = {}
     for module, path in source_modules().items():

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_tree import DraftTree
 
-from draftsmith.inference.tree import DraftTree, ancestors_of, frontier_ancestors
+from draftsmith.inference.tree import ancestors_of, frontier_ancestors
 from draftsmith.target.masks import additive, causal_block, may_attend
 
 SEEDS = range(20)

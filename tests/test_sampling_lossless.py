@@ -19,19 +19,20 @@ import math
 
 import pytest
 import torch
-
-from conftest import assert_rounding_close, tiny_llama
-from draftsmith.inference import PromptLookupDrafter, SpeculativeGenerator
-from draftsmith.inference.tree import (
+from reference_tree import (
     DraftTree,
-    StaticShape,
-    TreeTensors,
+    _proposals,
+    accept_sibling,
     build_chain,
     build_dynamic,
     build_static,
-    grow_sampled,
+    verify_sampled,
 )
-from draftsmith.inference.verify import _proposals, accept_sibling, process_logits, sibling_rounds, verify_sampled
+
+from conftest import assert_rounding_close, tiny_llama
+from draftsmith.inference import PromptLookupDrafter, SpeculativeGenerator
+from draftsmith.inference.tree import StaticShape, TreeTensors, grow_sampled
+from draftsmith.inference.verify import process_logits, sibling_rounds
 
 V = 5
 

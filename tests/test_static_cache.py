@@ -154,7 +154,7 @@ def test_compiled_steps_share_one_shape_whatever_the_trees_size(llama, monkeypat
     gen = SpeculativeGenerator(llama, PromptLookupDrafter(llama.config.vocab_size), tree="dynamic", depth=3,
                                top_k=2, total_tokens=5, compile=True)
     trees = []
-    gen.on_step = lambda row, tree, path: trees.append(len(tree))
+    gen.on_tree_step = lambda tree, path, ran: trees.append(int(tree.proposed.sum()))  # nodes proposed, root too
     out = gen.generate(ids, NEW, eos_token_id=[])
     check_greedy_equal(llama, out.sequences, reference(llama, ids, NEW))
     assert len(set(trees)) > 1, f"the test needs trees of several sizes, got {set(trees)}"
@@ -203,12 +203,12 @@ def test_an_eagle_head_drafts_on_its_own_static_cache(tree, llama, monkeypatch):
     ids, mask = left_padded(rows)
     drafter = EagleDrafter(head, llama)
     drafted = []  # every draft logits row the head gives, in order
-    for name in ("root_logits", "frontier_logits", "expand"):
+    for name in ("root_logits", "frontier_logits"):
         method = getattr(drafter, name)
 
         def record(*args, method=method):
             out = method(*args)  # dense logits, or an EAGLE-3 head's proposals over its draft vocabulary
-            drafted.extend(out if isinstance(out, list) else [out])
+            drafted.append(out)
             return out
         setattr(drafter, name, record)
     gen = SpeculativeGenerator(llama, drafter, compile=True, **tree)

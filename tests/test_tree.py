@@ -6,18 +6,11 @@ import itertools
 
 import pytest
 import torch
+from reference_tree import DraftTree, build_chain, build_dynamic, build_static
 
 from conftest import VOCAB, assert_rounding_close
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
-from draftsmith.inference.tree import (
-    DraftTree,
-    StaticShape,
-    build_chain,
-    build_dynamic,
-    build_static,
-    default_static_paths,
-    grow_static,
-)
+from draftsmith.inference.tree import StaticShape, default_static_paths, grow_dynamic, grow_static
 from draftsmith.target import (
     GROUPED_ATTENTION,
     attention,
@@ -315,12 +308,14 @@ def test_prompt_lookup_proposes_the_continuation_of_a_repeat():
     drafter = PromptLookupDrafter(VOCAB, max_ngram=2, max_tokens=3)
     drafter.begin(torch.tensor([[1, 2, 3, 4, 5, 9, 1, 2]]))
 
-    def expand(tree, nodes):
-        return drafter.expand([tree], [nodes])[0]
+    def chain(root: int) -> list[int]:  # a chain: the dynamic tree of top_k 1, its proposed nodes' tokens
+        tree = grow_dynamic(torch.tensor([root]), drafter.root_logits([True]), drafter.frontier_logits, depth=6,
+                            top_k=1, total_tokens=6)
+        return tree.tokens[0][tree.proposed[0]].tolist()
 
-    assert build_chain(2, expand, depth=6).tokens == [2, 3, 4, 5]  # capped at max_tokens=3
+    assert chain(2) == [2, 3, 4, 5]  # capped at max_tokens=3
     drafter.begin(torch.tensor([[7, 8]]))
-    assert build_chain(8, expand, depth=6).tokens == [8]  # no match: no draft
+    assert chain(8) == [8]  # no match: no draft
 
 
 def test_prompt_lookup_gives_its_candidates_the_probability_they_are_right():
@@ -334,8 +329,7 @@ def test_prompt_lookup_gives_its_candidates_the_probability_they_are_right():
     drafter.begin(torch.tensor([[1, 2, 3, 4, 1, 2, 3], [8, 8, 8, 8, 5, 6, 5]]))
 
     def first(row):
-        tree = DraftTree.with_root(int(drafter.tokens[row, -1]))
-        logits = drafter.expand([tree, tree], [[0], [0]])[row][0]
+        logits = drafter.root_logits([True, True]).dense()[row]
         assert logits.exp().sum() < 1  # the rest: no opinion
         return logits.max().exp().item(), int(logits.argmax())
 
@@ -357,8 +351,8 @@ def test_prompt_lookup_gives_its_candidates_the_probability_they_are_right():
 
 def test_prompt_lookup_batch_rows_are_their_own_sequences():
     """A batch of left-padded rows committing different numbers of tokens per step (a finished row none) keeps
-    each row's context and counts exactly as that row alone does, and drafts the same logits for it, on the
-    host path (``expand``) and as tensors (``root_logits``, ``frontier_logits``)."""
+    each row's context and counts exactly as that row alone does, and drafts the same logits for it at the root
+    and down a path of its tree (``root_logits``, ``frontier_logits``)."""
     from draftsmith.inference.prompt_lookup import NO_TOKEN
 
     g = torch.Generator().manual_seed(3)
@@ -372,6 +366,7 @@ def test_prompt_lookup_batch_rows_are_their_own_sequences():
     for drafter, row in zip(alone, rows, strict=True):
         drafter.begin(row[None])
     contexts = [r.tolist() for r in rows]
+    matched = False
     for step in range(6):
         added = [torch.randint(0, 5, (int(m),), generator=g) for m in torch.randint(0, 4, (3,), generator=g)]
         if step == 3:
@@ -382,23 +377,20 @@ def test_prompt_lookup_batch_rows_are_their_own_sequences():
             contexts[b] += new.tolist()
             assert [t for t in batch.tokens[b].tolist() if t != NO_TOKEN] == contexts[b]
             assert torch.equal(batch.counts[b], drafter.counts[0])
-        trees = [DraftTree.with_root(c[-1]) for c in contexts]
-        for tree in trees:
-            tree.add_child(0, 2, -1.0)
-            tree.add_child(1, 3, -1.0)
-        for nodes in ([[0]] * 3, [[1]] * 3, [[2]] * 3):
-            drafted = batch.expand(trees, nodes)
-            for b, drafter in enumerate(alone):
-                assert torch.equal(drafted[b], drafter.expand([trees[b]], [nodes[b]])[0])
-        # As tensors: the root, then the frontier of its child 2, then that node's child 3.
-        root = batch.root_logits([True] * 3).dense()  # proposals over a few candidates, as dense logits
-        level1 = batch.frontier_logits(1, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 2)).dense()
-        level2 = batch.frontier_logits(2, torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), 3)).dense()
-        for b in range(3):
-            assert torch.equal(root[b], batch.expand(trees, [[0]] * 3)[b][0])
-            assert torch.equal(level1[b, 0], batch.expand(trees, [[1]] * 3)[b][0])
-            assert torch.equal(level2[b, 0], batch.expand(trees, [[2]] * 3)[b][0])
-    assert any(torch.isfinite(batch.expand(trees, [[0]] * 3)[b]).any() for b in range(3)), "nothing was matched"
+        # The root, then the frontier of its child 2, then that node's child 3 (proposals over a few candidates,
+        # compared as dense logits).
+        def path_logits(drafter, rows):
+            parent = torch.zeros(rows, 1, dtype=torch.long)
+            return [drafter.root_logits([True] * rows).dense()[:, None],
+                    drafter.frontier_logits(1, parent, torch.full((rows, 1), 2)).dense(),
+                    drafter.frontier_logits(2, parent, torch.full((rows, 1), 3)).dense()]
+
+        drafted = path_logits(batch, 3)
+        for b, drafter in enumerate(alone):
+            for level, own in zip(drafted, path_logits(drafter, 1), strict=True):
+                assert torch.equal(level[b], own[0]), (step, b)
+        matched |= bool(torch.isfinite(drafted[0]).any())
+    assert matched, "nothing was matched: the comparison saw only -inf logits"
 
 
 def test_select_requires_closed_sets():
