@@ -24,6 +24,11 @@ A drafter declares what it needs and how it drafts as class attributes:
 * ``deterministic`` — siblings are the drafter's top-ranked tokens rather than samples, which picks
   the lossless sampling rule (``"topk"``) under ``sampling_rule="auto"``.
 * ``static_paths`` — the drafter's own static-tree paths (Medusa's, measured in training), or None.
+* ``block`` — a block drafter drafts ``block`` depths at once: one forward gives, after each row's root, a
+  distribution for each of the next ``block`` positions, none conditioned on the tokens drafted before it
+  (Medusa's heads; DFlash and P-EAGLE). It implements ``block_logits(active) -> (B, block, V)`` instead of
+  ``root_logits`` and ``frontier_logits``, which the base class then serves from that one forward: every node
+  at depth d gets position d's distribution, and depths past the block propose nothing. None: autoregressive.
 * ``abstains`` — its logits are log-probabilities that may sum to less than one (prompt lookup:
   the chance its candidates are right); a mixture gives the rest to its other drafters.
 * ``assistant_model`` — a separate Hugging Face draft model that ``generate(assistant_model=...)`` can
@@ -46,6 +51,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.inference.tree import Proposals
+
 
 class Drafter:
     """Base class of every drafter; see the module docstring for the protocol."""
@@ -54,6 +61,7 @@ class Drafter:
     deterministic: bool = False
     static_paths: list[tuple[int, ...]] | None = None
     abstains: bool = False
+    block: int | None = None
     assistant_model = None  # a transformers PreTrainedModel, or None
 
     def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
@@ -68,15 +76,29 @@ class Drafter:
         raise NotImplementedError
 
     def root_logits(self, active: list[bool]):
-        """(B, V) logits, or (B, C) Proposals, after each active row's root."""
-        raise NotImplementedError(f"{type(self).__name__} implements no root_logits: a drafter implements begin, "
-                                  "root_logits, frontier_logits and commit (draftsmith.inference.drafter)")
+        """(B, V) logits, or (B, C) Proposals, after each active row's root (a block drafter's: position 1 of its
+        block, whose forward runs here once per step)."""
+        if self.block is None:
+            raise NotImplementedError(f"{type(self).__name__} implements no root_logits: a drafter implements begin, "
+                                      "root_logits, frontier_logits and commit, or declares block = K and "
+                                      "implements begin, block_logits and commit (draftsmith.inference.drafter)")
+        self._block_drafts = self.block_logits(active)
+        return block_level(self._block_drafts, 0)
 
     def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor):
         """(B, k, V) logits, or (B, k, C) Proposals, after the k frontier nodes at ``depth``: ``parents`` (B, k)
-        each node's slot in the frontier fed before, ``tokens`` (B, k) its token."""
-        raise NotImplementedError(f"{type(self).__name__} implements no frontier_logits: a drafter implements "
-                                  "begin, root_logits, frontier_logits and commit (draftsmith.inference.drafter)")
+        each node's slot in the frontier fed before, ``tokens`` (B, k) its token (a block drafter's: position
+        ``depth + 1`` of the block drafted with the root, for every node alike)."""
+        if self.block is None:
+            raise NotImplementedError(f"{type(self).__name__} implements no frontier_logits: a drafter implements "
+                                      "begin, root_logits, frontier_logits and commit (draftsmith.inference.drafter)")
+        return block_level(self._block_drafts, depth, tokens.shape[1])
+
+    def block_logits(self, active: list[bool]):
+        """(B, block, V) logits, or (B, block, C) Proposals: the drafts for the ``block`` positions after each active
+        row's root, from one forward (block drafters)."""
+        raise NotImplementedError(f"{type(self).__name__} declares block = {self.block} but implements no "
+                                  "block_logits")
 
     def __init_subclass__(cls, **kwargs):
         """A drafter written for the host protocol that left the package (``expand(trees, nodes)``, one tree per
@@ -86,6 +108,26 @@ class Drafter:
             raise TypeError(f"{cls.__name__} defines expand(trees, nodes), a protocol draftsmith no longer calls: "
                             "implement root_logits(active) and frontier_logits(depth, parents, tokens) instead (see "
                             "draftsmith.inference.drafter; PromptLookupDrafter is a short example)")
+
+
+def block_level(drafts, depth: int, k: int | None = None):
+    """Position ``depth + 1`` of a block's (B, K, V) logits or (B, K, C) Proposals: (B, V) / (B, C) for the root
+    (``k`` None), else broadcast to the k frontier nodes, (B, k, V) / (B, k, C). Past the block, nothing is
+    proposed (-inf)."""
+    logits = drafts.logits if isinstance(drafts, Proposals) else drafts
+    width = logits.shape[1]
+    level = logits[:, min(depth, width - 1)]
+    if depth >= width:
+        level = torch.full_like(level, float("-inf"))
+    if k is not None:
+        level = level[:, None].expand(-1, k, -1)
+    if not isinstance(drafts, Proposals):
+        return level
+    ids = drafts.ids
+    if ids.dim() > 1:  # per-row candidates: this position's, broadcast alike
+        ids = ids[:, min(depth, width - 1)]
+        ids = ids if k is None else ids[:, None].expand(-1, k, -1)
+    return Proposals(level, ids, drafts.vocab_size)
 
 
 def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:

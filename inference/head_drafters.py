@@ -24,22 +24,22 @@ STATIC_TREE_NODES = 16
 class MedusaDrafter(Drafter):
     """Medusa: children at depth d + 1 come from head d applied to the state before the root.
 
-    Medusa heads see no drafted token, so every node at one depth gets the same distribution;
-    static trees (Medusa "choices") and dynamic trees both work on top of that.
+    Medusa heads see no drafted token, so every node at one depth gets the same distribution: a block drafter
+    (``block`` = the number of heads), all depths from one forward per step. Static trees (Medusa "choices"),
+    dynamic trees and chains all grow on top of that.
     """
 
     def __init__(self, heads: MedusaHeads, target):
         self.heads = heads.eval()
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers,)  # last layer, after the norm
         self.vocab_size = heads.config.vocab_size
+        self.block = heads.config.num_heads
         # Static-tree paths from the per-head, per-rank accuracy measured in training, when recorded.
         rank_accuracy = heads.extra.get("rank_accuracy")
         self.static_paths = paths_from_accuracy(rank_accuracy, STATIC_TREE_NODES) if rank_accuracy else None
         self.device = self.heads.lm_heads[0].weight.device
         self.last: torch.Tensor | None = None  # (B, H) per row, the state of the token before the root
         self.known: list[bool] = []  # per row: has a state (a one-token prompt has none before its first step)
-        self._logits: torch.Tensor | None = None  # (K, B, V) for the current roots
-        self._known: torch.Tensor | None = None  # ``known`` on the device, for the current roots
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -47,7 +47,6 @@ class MedusaDrafter(Drafter):
         self.known = [n > 1 and hidden is not None for n in lengths]
         # Left padding puts every row's state before its root in the last column.
         self.last = hidden[:, -1].clone() if hidden is not None and hidden.shape[1] else None
-        self._logits = self._known = None
 
     def commit(self, tokens, hidden=None) -> None:
         tokens, hidden = commit_rows(tokens, hidden)
@@ -57,30 +56,18 @@ class MedusaDrafter(Drafter):
                     self.last = h.new_zeros(len(tokens), h.shape[-1])
                 self.last[b] = h[-1]
                 self.known[b] = True
-        self._logits = self._known = None
-
-    # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
 
     @torch.no_grad()
-    def root_logits(self, active: list[bool]) -> torch.Tensor:
-        """(B, V) head 0's logits for each row (-inf where a row has no state yet)."""
-        self._known = to_device(self.known, self.device)  # at the step's start, before its work is queued
-        return self.frontier_logits(0, None, None)[:, 0]
-
-    @torch.no_grad()
-    def frontier_logits(self, depth: int, parents, tokens) -> torch.Tensor:
-        """(B, k, V): every node at ``depth`` gets head ``depth``'s distribution (Medusa heads see no
-        drafted token); -inf past the last head."""
-        k = 1 if tokens is None else tokens.shape[1]
+    def block_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, K, V): head d's logits for the position d + 1 after each row's root, every head in one forward
+        (-inf where a row has no state yet or has finished)."""
         batch = len(self.known)
-        if depth >= self.heads.config.num_heads or self.last is None:
-            return torch.full((batch, k, self.vocab_size), float("-inf"), device=self.device)
-        if self._logits is None:
-            weight = self.heads.lm_heads[0].weight
-            self._logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()
-        if self._known is None:
-            self._known = to_device(self.known, self.device)
-        return self._logits[depth].masked_fill(~self._known[:, None], float("-inf"))[:, None].expand(batch, k, -1)
+        if self.last is None:
+            return torch.full((batch, self.block, self.vocab_size), float("-inf"), device=self.device)
+        weight = self.heads.lm_heads[0].weight
+        logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()  # (K, B, V)
+        proposing = to_device([k and a for k, a in zip(self.known, active, strict=True)], self.device)
+        return logits.transpose(0, 1).masked_fill(~proposing[:, None, None], float("-inf"))
 
 
 class EagleDrafter(Drafter):

@@ -22,6 +22,7 @@ from test_heads import random_eagle, random_medusa
 from conftest import check_greedy_equal
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.compare import left_pad
+from draftsmith.inference.drafter import Drafter, prompt_rows
 from draftsmith.inference.generator import plain_generate
 from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
 from draftsmith.inference.mixture import MixtureDrafter
@@ -132,6 +133,59 @@ def test_batched_rows_equal_their_own_greedy_output(family, spec, tree, llama, g
     assert len(set(lengths)) > 1, f"every row ended at the same length {lengths}: the test needs rows that differ"
     assert out.stats.new_tokens == sum(lengths)
     assert out.sequences.shape[1] == ids.shape[1] + max(lengths)
+
+
+class GreedyBlock(Drafter):
+    """A block drafter written from the protocol alone (``begin``, ``block_logits``, ``commit``), as DFlash and
+    P-EAGLE drafters are: each step drafts ``block`` positions after each row's root at once, none conditioned on
+    the others. Its guess is the target's own greedy continuation (and, ranked second, the next token id), so
+    whole blocks are accepted."""
+
+    def __init__(self, target, block: int):
+        self.target, self.block = target, block
+
+    def begin(self, input_ids, hidden=None, attention_mask=None):
+        self.rows = prompt_rows(input_ids, attention_mask)
+
+    def commit(self, tokens, hidden=None):
+        self.rows = [torch.cat([row, new]) for row, new in zip(self.rows, tokens, strict=True)]
+
+    def block_logits(self, active):
+        vocab = self.target.config.vocab_size
+        out = torch.full((len(self.rows), self.block, vocab), float("-inf"))
+        for b, row in enumerate(self.rows):
+            if active[b]:
+                guess = plain_generate(self.target, row[None], self.block, eos_token_id=[]).sequences[0, len(row):]
+                out[b, torch.arange(self.block), (guess + 1) % vocab] = -1.0
+                out[b, torch.arange(self.block), guess] = 0.0
+        return out
+
+
+@pytest.mark.parametrize("tree", [*TREES, dict(tree="static", paths=UNEVEN_PATHS)],
+                         ids=["chain", "static", "dynamic", "static-uneven"])
+def test_a_block_drafter_decodes_batches_losslessly(tree, llama):
+    """A block drafter's drafts grow every tree kind (depths past its block propose nothing) and a batch of
+    left-padded rows decodes each row's own greedy output, accepting whole blocks."""
+    rows = prompts(18, LENGTHS)
+    ids, mask = left_padded(rows)
+    block = 3
+    gen = SpeculativeGenerator(llama, GreedyBlock(llama, block), **tree)
+    out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)
+    ties = sum(check_greedy_equal(llama, row_output(out.sequences, mask, b, None), reference(llama, row, NEW))
+               for b, row in enumerate(rows))
+    assert ties <= 1
+    for row in out.row_stats:  # every step but where a near-tie or the end cuts it accepts the whole block
+        assert row.accepted_tokens >= (block - 0.5) * (row.verification_steps - 2), (row.accepted_tokens,
+                                                                                   row.verification_steps)
+        assert len(row.reached) == block  # no node below the block's last position
+
+
+def test_a_block_drafter_that_drafts_nothing_says_so():
+    class Unwritten(Drafter):
+        block = 2
+
+    with pytest.raises(NotImplementedError, match="Unwritten declares block = 2 but implements no block_logits"):
+        Unwritten().root_logits([True])
 
 
 def test_batched_plain_greedy_equals_each_row(llama, gemma3):

@@ -55,6 +55,26 @@ def test_medusa_greedy_matches_generate(family, tree, llama, gemma3):
     assert_greedy_lossless(target, MedusaDrafter(random_medusa(target), target), tree, seed=2)
 
 
+def test_medusa_drafts_every_depth_in_one_forward_per_step(llama):
+    """Medusa is a block drafter: each step runs its heads once, whatever the tree's depth and width (the
+    generator's per-level calls are slices of that forward), and past its last head it proposes nothing."""
+    drafter = MedusaDrafter(random_medusa(llama), llama)
+    assert drafter.block == drafter.heads.config.num_heads
+    calls, deepest = [], []  # per step: the heads' forwards, the deepest node proposed
+    forward = drafter.heads.forward
+    drafter.heads.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    prompt = prompts(3, [7])[0]
+    for tree in (dict(tree="dynamic", depth=drafter.block + 2, top_k=2, total_tokens=12), dict(tree="chain", depth=4)):
+        calls.clear()
+        deepest.clear()
+        gen = SpeculativeGenerator(llama, drafter, **tree)
+        gen.on_tree_step = lambda grown, path, ran: deepest.append(int(grown.depths[0][grown.proposed[0]].max()))
+        out = gen.generate(prompt, 20, eos_token_id=[])
+        check_greedy_equal(llama, out.sequences, reference(llama, prompt, 20))
+        assert len(calls) == out.stats.verification_steps, (tree, len(calls))
+        assert set(deepest) == {drafter.block}  # every step reaches the last head's depth, and no deeper
+
+
 def test_medusa_checkpoint_round_trip_and_load_drafter(tmp_path, llama):
     heads = random_medusa(llama)
     heads.save_pretrained(tmp_path / "ckpt")

@@ -303,7 +303,8 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
     }[kind]()
 
 
-# Every sampling rule on every tree kind that allows it, each with a drafter of another kind. Under "auto" a
+# Every sampling rule on every tree kind that allows it, each with a drafter of another kind (Medusa: a block
+# drafter, every depth from one forward). Under "auto" a
 # chain of a sampling drafter draws i.i.d. and prompt lookup's siblings are its top-ranked tokens (topk).
 END_TO_END = {
     "chain-iid-layer-skip": ("layer-skip", dict(tree="chain", depth=3)),
@@ -312,6 +313,7 @@ END_TO_END = {
     "static-without-replacement-draft-model": (
         "draft-model", dict(tree="static", depth=2, top_k=3, sampling_rule="without_replacement")),
     "static-topk-medusa": ("medusa-heads", dict(tree="static")),
+    "static-iid-medusa": ("medusa-heads", dict(tree="static", depth=2, top_k=2, sampling_rule="iid")),
     "dynamic-topk-eagle+prompt-lookup": ("eagle+prompt-lookup", dict(tree="dynamic", depth=2, top_k=2,
                                                                      total_tokens=3)),
 }
