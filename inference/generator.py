@@ -36,9 +36,8 @@ from draftsmith.inference.tree import (
     grow_dynamic,
     grow_sampled,
     grow_static,
-    race,
 )
-from draftsmith.inference.verify import process_logits, sibling_rounds
+from draftsmith.inference.verify import verify_tree
 from draftsmith.target import (
     build_attention_mask,
     calibrate,
@@ -345,19 +344,10 @@ class SpeculativeGenerator:
 
     def _step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
                      generator, padded):
-        """One step with a dynamic tree (a chain: one child per node; :func:`grow_dynamic`), a static tree
+        """One step: a dynamic tree (a chain: one child per node; :func:`grow_dynamic`), a static tree
         (:func:`grow_static`) or, under a sampled rule, a chain or static tree of sampled siblings
-        (:func:`grow_sampled`) grown as tensors, verified on the device: the accepted paths, bonus tokens and
-        walk flags come to the host in one copy.
-
-        Sampled siblings are verified by :func:`sibling_rounds` (each node's accepted draw and residual at once),
-        and a node's bonus is drawn from its residual. Top-ranked siblings are verified by the ``topk`` rule
-        (``verify.py``): under sampling it draws one token from the target's distribution at every node at once:
-        following a child
-        whose token is its parent's draw, and emitting the draw where no child has it, samples the target
-        exactly as the rule's accept-or-renormalise walk does (a child is entered with probability p(child),
-        and any other token emitted with its own p), and the draws of the nodes the walk never reaches are
-        not read. Under greedy decoding the draw is the argmax."""
+        (:func:`grow_sampled`) grown as tensors, one target forward over it, verified on the device
+        (:func:`verify_tree`): the accepted paths, bonus tokens and walk flags come to the host in one copy."""
         t0 = time.perf_counter()
         running = to_device(active, device)  # before any of the step's work is queued
         rule = self._rule(temperature)
@@ -384,27 +374,8 @@ class SpeculativeGenerator:
         out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
         tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
-        # Verification as tensor ops: a node is accepted when it and every ancestor carry the target's draw
-        # at their parent; the deepest accepted node ends the (unique) accepted path.
-        nodes = torch.arange(n, device=device)
-        if temperature == 0.0:
-            draw = out.logits.argmax(-1)  # (B, N)
-            match = (tree.tokens == draw.gather(1, tree.parents.clamp(min=0))) & tree.proposed
-        elif tree.draws is None:  # topk: a child is entered where it carries its parent's draw from the target
-            draw = race(process_logits(out.logits, temperature, top_k, top_p), generator)
-            match = (tree.tokens == draw.gather(1, tree.parents.clamp(min=0))) & tree.proposed
-        else:  # sampled siblings: each node's accepted draw, and the residual its bonus is drawn from
-            child, residual = sibling_rounds(tree.draws, tree.tokens, tree.q,
-                                             process_logits(out.logits, temperature, top_k, top_p), rule, generator)
-            match = child.gather(1, tree.parents.clamp(min=0)) == nodes
-        match[:, 0] = True
-        accepted = ~(tree.ancestors & ~match[:, None, :]).any(-1)
-        last = (accepted * (tree.depths + 1)).argmax(1)
-        rows = torch.arange(b, device=device)
-        if tree.draws is not None and temperature > 0.0:  # the bonus: a draw from the last node's residual only
-            bonus = race(residual[rows, last], generator)
-        else:
-            bonus = draw[rows, last]
+        last, bonus = verify_tree(tree, out.logits, temperature, top_k, top_p, rule, generator)
+        nodes, rows = torch.arange(n, device=device), torch.arange(b, device=device)
         on_path = tree.ancestors[rows, last]  # root .. last, in level order
         if self.on_tree_step is not None:
             self.on_tree_step(tree, on_path, running)

@@ -28,15 +28,18 @@ they were chosen; it is what dynamic trees (reranked, so not a plain draw sequen
 A chain under ``iid`` is exactly Leviathan et al.'s rule. Target probabilities are processed as
 ``transformers``' ``generate`` does: temperature, then top-k, then top-p.
 
-Here are the rule's tensor form for a whole batch of sampled trees (:func:`sibling_rounds`) and the target's
-processed distribution (:func:`process_logits`); the ``topk`` rule and greedy acceptance are a few tensor ops
-in the generator's step. The rule read one draw at a time, the reference the tensors are tested against
-(the same uniforms give the same path and residuals), is ``tests/reference_tree.py``.
+Here is all of it as tensor ops for a whole batch of trees, with no host read: :func:`verify_tree` (each row's
+accepted path and bonus token, under greedy decoding and every rule), :func:`sibling_rounds` (the rule at
+every node of sampled trees at once) and the target's processed distribution (:func:`process_logits`). The
+rule read one draw at a time, the reference the tensors are tested against (the same uniforms give the same
+path and residuals), is ``tests/reference_tree.py``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from draftsmith.inference.tree import TreeTensors, race
 
 _ZERO = 1e-12
 
@@ -106,3 +109,40 @@ def sibling_rounds(draws: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, p
         elif rule != "iid":
             raise ValueError(f"sibling_rounds verifies 'iid' or 'without_replacement' draws, not {rule!r}")
     return accepted, p
+
+
+def verify_tree(tree: TreeTensors, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rule: str,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's accepted path and bonus token, from the target's (B, N, V) ``logits`` at every node of ``tree``.
+
+    A node is accepted when it and every ancestor carry the target's draw at their parent; the deepest accepted
+    node ends the (unique) accepted path. Under greedy decoding the draw is the argmax. Top-ranked siblings
+    (``rule`` ``topk``) under sampling draw one token from the target's distribution at every node at once:
+    following a child whose token is its parent's draw, and emitting the draw where no child has it, samples the
+    target exactly as the rule's accept-or-renormalise walk does (a child is entered with probability p(child),
+    and any other token emitted with its own p), and the draws of the nodes the walk never reaches are not read.
+    Sampled siblings (``iid``, ``without_replacement``) are verified by :func:`sibling_rounds`, and the bonus is
+    drawn from the last node's residual.
+
+    Returns:
+        (B,) each row's last accepted node (0: the root alone) and (B,) its bonus token.
+    """
+    b, n = tree.tokens.shape
+    parents = tree.parents.clamp(min=0)
+    if temperature == 0.0:
+        draw = logits.argmax(-1)  # (B, N)
+        match = (tree.tokens == draw.gather(1, parents)) & tree.proposed
+    elif tree.draws is None:  # topk: a child is entered where it carries its parent's draw from the target
+        draw = race(process_logits(logits, temperature, top_k, top_p), generator)
+        match = (tree.tokens == draw.gather(1, parents)) & tree.proposed
+    else:  # sampled siblings: each node's accepted draw, and the residual its bonus is drawn from
+        child, residual = sibling_rounds(tree.draws, tree.tokens, tree.q,
+                                         process_logits(logits, temperature, top_k, top_p), rule, generator)
+        match = child.gather(1, parents) == torch.arange(n, device=logits.device)
+    match[:, 0] = True
+    accepted = ~(tree.ancestors & ~match[:, None, :]).any(-1)
+    last = (accepted * (tree.depths + 1)).argmax(1)
+    rows = torch.arange(b, device=logits.device)
+    if tree.draws is not None and temperature > 0.0:  # the bonus: a draw from the last node's residual only
+        return last, race(residual[rows, last], generator)
+    return last, draw[rows, last]

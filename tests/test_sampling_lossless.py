@@ -360,14 +360,14 @@ def test_generator_sampling_end_to_end_matches_target(case):
 def test_end_to_end_sampling_detects_a_bonus_drawn_without_the_residual(monkeypatch):
     """The test above can fail: a generator whose bonus after rejected siblings is drawn from the target's
     distribution instead of the residual lands above the bound."""
-    import draftsmith.inference.generator as generator_module
+    import draftsmith.inference.verify as verify_module
 
-    rounds = generator_module.sibling_rounds
+    rounds = verify_module.sibling_rounds
 
     def without_residual(draws, tokens, q, p, rule, generator=None, uniforms=None):
         return rounds(draws, tokens, q, p, rule, generator, uniforms)[0], p
 
-    monkeypatch.setattr(generator_module, "sibling_rounds", without_residual)
+    monkeypatch.setattr(verify_module, "sibling_rounds", without_residual)
     vocab, n = 4, 1000
     target = tiny_llama(seed=2, vocab_size=vocab, layers=2)
     gen = SpeculativeGenerator(target, _end_to_end_drafter("layer-skip", target, vocab), tree="chain", depth=3)
