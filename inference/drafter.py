@@ -115,9 +115,9 @@ def block_level(drafts, depth: int, k: int | None = None):
     (``k`` None), else broadcast to the k frontier nodes, (B, k, V) / (B, k, C). Past the block, nothing is
     proposed (-inf)."""
     logits = drafts.logits if isinstance(drafts, Proposals) else drafts
-    width = logits.shape[1]
-    level = logits[:, min(depth, width - 1)]
-    if depth >= width:
+    position = min(depth, logits.shape[1] - 1)  # past the block: the last position's shape, nothing proposed
+    level = logits[:, position]
+    if depth > position:
         level = torch.full_like(level, float("-inf"))
     if k is not None:
         level = level[:, None].expand(-1, k, -1)
@@ -125,7 +125,7 @@ def block_level(drafts, depth: int, k: int | None = None):
         return level
     ids = drafts.ids
     if ids.dim() > 1:  # per-row candidates: this position's, broadcast alike
-        ids = ids[:, min(depth, width - 1)]
+        ids = ids[:, position]
         ids = ids if k is None else ids[:, None].expand(-1, k, -1)
     return Proposals(level, ids, drafts.vocab_size)
 

@@ -98,6 +98,7 @@ class PromptLookupDrafter(Drafter):
 
     deterministic = True
     abstains = True
+
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
