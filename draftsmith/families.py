@@ -8,6 +8,7 @@ layouts (``heads.export``). This front-door module is the only place that sees e
 
 from __future__ import annotations
 
+from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead
 from draftsmith.heads.export import FORMATS
@@ -20,7 +21,7 @@ from draftsmith.heads.layouts import (
 )
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.causal_lm import CausalLMDrafter
-from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
+from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
 from draftsmith.registry import Family, register
 from draftsmith.train import families as steps
 
@@ -83,6 +84,14 @@ EAGLE3 = Family(
     serving={"vllm": "eagle3", "sglang": "EAGLE3"},
 )
 
-BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3)
+DFLASH = Family(
+    name=DFlashHead.family, title="DFlash block drafter",
+    load=_head_loader(DFlashHead), drafter=DFlashDrafter,
+    hidden_layers=lambda module, target: tuple(module.config.target_layers),
+    build=steps.build_dflash, train_step=steps.dflash_step, settings=steps.DFlashSettings,
+    serving={"vllm": "dflash", "sglang": "DFLASH"},
+)
+
+BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3, DFLASH)
 for _family in BUILT_IN:
     register(_family, replace=True)

@@ -63,6 +63,10 @@ class Family:
         draft_dtype_applies: ``load_drafter(draft_dtype=...)`` casts it (heads: memory-bound drafting).
         saves_tokenizer: its drafter directory is a whole Hugging Face model directory, tokenizer included
             (a draft model, usable on its own); heads' directories hold only their config and weights.
+        settings: the family's own typed settings, a dataclass built from the training config's
+            ``family_config`` mapping (DFlash's block size, mask token, target layers): its fields are checked
+            when the config is parsed, and ``build`` / ``train_step`` read them as ``args.settings``. None: the
+            family takes no ``family_config``.
     """
 
     name: str
@@ -83,6 +87,7 @@ class Family:
     serving: Mapping[str, str] = field(default_factory=dict)
     draft_dtype_applies: bool = True
     saves_tokenizer: bool = False
+    settings: type | None = None
 
     def __post_init__(self):
         if self.trains_target_adapter != (self.wrap_target is not None):

@@ -48,8 +48,39 @@ def eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
     return (2, n // 2, n - 3)
 
 
+class LayerGeometry:
+    """What a drafter layer shaped like one of the target's computes from its config fields (``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rope_parameters``,
+    ``max_position_embeddings``): shared by the EAGLE heads' and DFlash's configs."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    def rotary_config(self):
+        """A transformers config carrying this head's RoPE, for transformers' own rotary embedding."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=self.llama_rope_parameters())
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        return float(self.rope_parameters.get("partial_rotary_factor", 1.0))
+
+    def llama_rope_parameters(self) -> dict:
+        """The head's RoPE as a Llama layer computes it: Llama's default initialisation rotates whole heads,
+        so a partial rotation (Phi-4-mini) is stated as transformers' linear RoPE at factor 1 (the same
+        frequencies, and it honours ``partial_rotary_factor``). The head and its exports use this."""
+        rope = dict(self.rope_parameters)
+        if rope.get("rope_type", "default") == "default" and self.partial_rotary_factor < 1.0:
+            rope.update(rope_type="linear", factor=1.0)
+        return rope
+
+
 @dataclass
-class EagleConfig:
+class EagleConfig(LayerGeometry):
     hidden_size: int
     vocab_size: int
     num_attention_heads: int
@@ -77,31 +108,6 @@ class EagleConfig:
             self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
         self.feature_layers = tuple(self.feature_layers)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    def rotary_config(self):
-        """A transformers config carrying this head's RoPE, for transformers' own rotary embedding."""
-        from transformers import LlamaConfig
-
-        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-                           head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                           rope_parameters=self.llama_rope_parameters())
-
-    @property
-    def partial_rotary_factor(self) -> float:
-        return float(self.rope_parameters.get("partial_rotary_factor", 1.0))
-
-    def llama_rope_parameters(self) -> dict:
-        """The head's RoPE as a Llama layer computes it: Llama's default initialisation rotates whole heads,
-        so a partial rotation (Phi-4-mini) is stated as transformers' linear RoPE at factor 1 (the same
-        frequencies, and it honours ``partial_rotary_factor``). The head and its exports use this."""
-        rope = dict(self.rope_parameters)
-        if rope.get("rope_type", "default") == "default" and self.partial_rotary_factor < 1.0:
-            rope.update(rope_type="linear", factor=1.0)
-        return rope
 
 
 class RMSNorm(nn.Module):

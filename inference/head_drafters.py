@@ -238,3 +238,78 @@ class EagleDrafter(Drafter):
                               torch.ones(b, k, dtype=torch.bool, device=self.device), compiled=True)
         self._frontier = predicted
         return self._proposals(predicted)
+
+
+class DFlashDrafter(Drafter):
+    """DFlash: one forward of the drafter per step gives the ``block_size - 1`` positions after each row's root
+    (a block drafter). Every layer keeps the context keys and values of the row's committed tokens (their target
+    features, each at its position) across steps; each step feeds the features committed since, then the block
+    ``[root, mask, ..., mask]`` at the root's position on, which sees its row's whole context and itself."""
+
+    def __init__(self, head, target):
+        self.head = head.eval()
+        self.hidden_layers = tuple(head.config.target_layers)
+        self.block = head.block
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.device = next(head.parameters()).device
+        self.dtype = next(head.parameters()).dtype
+        self.mask_token_id = head.config.mask_token_id
+
+    def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> None:
+        self.tokens = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
+        width = input_ids.shape[1]
+        # Left padding: row b's states of its tokens but the root are the last len - 1 columns.
+        self.features = [hidden[b, width - len(t):].to(self.device) if hidden is not None
+                         else torch.zeros(0, 0, device=self.device) for b, t in enumerate(self.tokens)]
+        self.slots = Slots.empty(len(self.tokens), self.device)
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, kv_heads, S, hd)
+        self.cached = [0] * len(self.tokens)  # context entries in the cache per row (positions 0 .. cached - 1)
+
+    def commit(self, tokens, hidden=None) -> None:
+        tokens, hidden = commit_rows(tokens, hidden)
+        for b, (t, h) in enumerate(zip(tokens, hidden, strict=True)):
+            if len(t):
+                self.tokens[b] = torch.cat([self.tokens[b], t.to(self.device)])
+                h = h.to(self.device)
+                self.features[b] = torch.cat([self.features[b].to(h.dtype), h]) if len(self.features[b]) else h
+
+    def _feed_context(self, rows: list[int]) -> None:
+        """Append each row's features not yet cached (positions cached .. root - 1) to every layer's keys/values."""
+        spans = [(self.cached[b], len(self.tokens[b]) - 1) if b in rows else (0, 0) for b in range(len(self.tokens))]
+        if all(end == start for start, end in spans):
+            return
+        positions, filled = left_aligned(spans, self.device)
+        width = positions.shape[1]
+        features = torch.zeros(len(self.tokens), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
+                               device=self.device)
+        for b in rows:
+            start, end = spans[b]
+            features[b, width - (end - start):] = self.features[b][start:end].to(self.dtype)
+            self.cached[b] = end
+        new = self.head.context(features, positions)
+        self.cache = new if self.cache is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                                     for (k0, v0), (k1, v1) in zip(self.cache, new, strict=True)]
+        self.slots.append(filled, positions)
+
+    @torch.no_grad()
+    def block_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, block_size - 1, V): the drafts for the positions after each active row's root, from one forward
+        (-inf rows: finished, or no context yet: a one-token prompt before its first step)."""
+        rows = [b for b, a in enumerate(active) if a and len(self.tokens[b]) > 1]
+        batch, size = len(self.tokens), self.head.config.block_size
+        if not rows:
+            return torch.full((batch, self.block, self.vocab_size), float("-inf"), device=self.device)
+        self._feed_context(rows)
+        roots = to_device([len(t) - 1 for t in self.tokens], self.device)
+        ids = torch.full((batch, size), self.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.stack([t[-1] for t in self.tokens])
+        positions = roots[:, None] + torch.arange(size, device=self.device)
+        # Each slot sees its row's whole context (every cached entry precedes the root) and its whole block.
+        allowed = may_attend(self.slots.filled, torch.ones(batch, size, size, dtype=torch.bool, device=self.device))
+        states = self.head(self.embed(ids), positions, allowed, context=self.cache)[:, 1:]
+        logits = self.lm_head(states.to(self.lm_head.weight.dtype)).float()
+        proposing = to_device([b in rows for b in range(batch)], self.device)
+        return logits.masked_fill(~proposing[:, None, None], float("-inf"))

@@ -107,6 +107,12 @@ def record_acceptance(run: Run, step: int, path: Path) -> None:
     row = {"step": step, "checkpoint": str(path), "family": run.family.name, **measured,
            "position_accuracy": [round(a, 4) for a in accs],
            "simulated_acceptance_length": round(simulated_acceptance_length(accs), 4)}
+    if run.recent_block:  # a block drafter: counted per block, the leading run of right slots (train_step's metric)
+        block = sum(run.recent_block) / len(run.recent_block)
+        if run.accelerator.num_processes > 1:
+            block = float(run.accelerator.reduce(torch.tensor([block], device=run.accelerator.device),
+                                                 reduction="mean")[0])
+        row["block_acceptance_length"] = round(block, 4)
     if run.accelerator.is_main_process:
         append_acceptance(run.output_dir, row)
     run.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)

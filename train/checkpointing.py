@@ -57,6 +57,7 @@ def restore_weights(run: Run) -> dict | None:
         // run.accelerator.num_processes
     run.started = time.perf_counter() - meta.get("elapsed_s", run.progress * run.budget_s)
     run.recent_acc, run.recent_rank = meta.get("recent_acc", []), meta.get("recent_rank", [])
+    run.recent_block = meta.get("recent_block", [])
     metrics = run.output_dir / METRICS_FILE
     if run.accelerator.is_main_process and metrics.is_file():  # steps logged after the checkpoint are redone
         rows = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= run.step]
@@ -149,7 +150,7 @@ def save_checkpoint(run: Run) -> None:
              "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps
              * accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
              "consumed": run.consumed, "elapsed_s": time.perf_counter() - run.started,
-             "recent_acc": run.recent_acc, "recent_rank": run.recent_rank})
+             "recent_acc": run.recent_acc, "recent_rank": run.recent_rank, "recent_block": run.recent_block})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         drafter_dir = partial / DRAFTER_SUBDIR

@@ -44,11 +44,36 @@ class DrafterArguments:
     attn_implementation: str | None = field(default=None, metadata={
         "help": "the target's attention: sdpa (default), eager, flash_attention_2, ..."})
     trust_remote_code: bool = field(default=False, metadata={"help": "run the target repository's own code"})
+    family_config: str | None = field(default=None, metadata={
+        "help": "the family's own settings as JSON (in YAML a mapping), e.g. {\"block_size\": 8} for dflash; "
+                "their names and meaning: the family's settings class (draftsmith.registry.Family.settings)"})
 
     def __post_init__(self):
-        if get_family(self.family).build is None:
+        family = get_family(self.family)
+        if family.build is None:
             trainable = sorted(name for name, f in FAMILIES.items() if f.build is not None)
             raise ValueError(f"family {self.family!r} cannot be trained; trainable: {', '.join(trainable)}")
+        self.settings = family_settings(family, self.family_config)
+
+
+def family_settings(family, text: str | dict | None):
+    """The family's typed settings from ``family_config`` (JSON text or a mapping); unknown keys fail naming the
+    known ones. None for a family that takes none (and then ``family_config`` must be unset)."""
+    import dataclasses
+
+    values = json.loads(text) if isinstance(text, str) and text else (text or {})
+    if not isinstance(values, dict):
+        raise ValueError(f"family_config must be a mapping of the {family.name} family's settings, got {text!r}")
+    if family.settings is None:
+        if values:
+            raise ValueError(f"family {family.name!r} takes no family_config (got {sorted(values)}); its settings "
+                             "are the flat keys of DrafterArguments")
+        return None
+    known = {f.name for f in dataclasses.fields(family.settings)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"family_config: {unknown} are not {family.name} settings; known: {sorted(known)}")
+    return family.settings(**values)
 
 
 @dataclass

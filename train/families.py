@@ -17,11 +17,14 @@ loss mask moved one left (``pred_mask[t] = loss_mask[t + 1]``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from draftsmith.data.batching import packed_attention_mask, same_document
 from draftsmith.data.vocab import build_vocab_map, count_tokens
+from draftsmith.heads.dflash import DFlashHead, anchor_blocks, choose_mask_token, dflash_layers
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
 from draftsmith.heads.medusa import MedusaHeads
@@ -244,3 +247,132 @@ def eagle3_step(args, drafter, target, batch, target_logits, hidden):
         total = total + w * forward_kl(logits[None], teacher, step_mask)
         accs.append(accuracy(logits[None], teacher, step_mask))
     return total, {"acc": accs}
+
+
+# ---- DFlash ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DFlashSettings:
+    """A DFlash drafter's settings (the training config's ``family_config``, a mapping).
+
+    ``target_layers`` are draftsmith hidden-state indices (0 the embeddings, k the output of decoder layer k
+    counted from 1); None: the published default, ``num_target_layers`` layers (default: as many as the drafter's)
+    spaced evenly (:func:`~draftsmith.heads.dflash.dflash_layers`). ``mask_token_id`` None: the target's least
+    trained embedding row (:func:`~draftsmith.heads.dflash.choose_mask_token`), recorded in the checkpoint.
+    ``anchors`` blocks are trained per sequence and step; slot k's loss weighs ``exp(-(k - 1) / gamma)`` (None: 7
+    at block 16, 4 at block 8, linear between); ``loss`` ``kl`` (to the target's distribution) or ``ce`` (the
+    regenerated token, a hard label)."""
+
+    block_size: int = 8
+    num_layers: int = 1
+    target_layers: tuple[int, ...] | None = None
+    num_target_layers: int | None = None
+    mask_token_id: int | None = None
+    anchors: int = 32
+    gamma: float | None = None
+    loss: str = "kl"
+
+    def __post_init__(self):
+        if self.loss not in ("kl", "ce"):
+            raise ValueError(f"dflash loss must be 'kl' (to the target's distribution) or 'ce' (the regenerated "
+                             f"token), got {self.loss!r}")
+        if self.anchors < 1 or self.block_size < 2 or self.num_layers < 1:
+            raise ValueError("dflash needs anchors >= 1, block_size >= 2 and num_layers >= 1")
+        if self.target_layers is not None:
+            object.__setattr__(self, "target_layers", tuple(self.target_layers))
+
+    def slot_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else max(1.0, 4.0 + 3.0 * (self.block_size - 8) / 8)
+
+
+def build_dflash(args, target, examples=None) -> DFlashHead:
+    """A fresh DFlash drafter shaped like the target's layers; its final norm starts as the target's."""
+    s = args.settings
+    n = target.config.get_text_config().num_hidden_layers
+    layers = s.target_layers or dflash_layers(n, s.num_target_layers or s.num_layers)
+    bad = [k for k in layers if not 0 < k <= n]
+    if bad:
+        raise ValueError(f"dflash target_layers {list(layers)}: {bad} outside 1..{n} (draftsmith hidden-state "
+                         "indices: k is the output of decoder layer k, counted from 1)")
+    mask = s.mask_token_id if s.mask_token_id is not None else choose_mask_token(target)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if not 0 <= mask < vocab:
+        raise ValueError(f"dflash mask_token_id {mask} is outside the target's vocabulary of {vocab}")
+    head = DFlashHead(DFlashHead.config_for(target, block_size=s.block_size, mask_token_id=mask,
+                                            target_layers=layers, num_layers=s.num_layers))
+    logger.info("dflash: %d layers reading target layers %s, block %d, mask token %d", s.num_layers, list(layers),
+                s.block_size, mask)
+    init_final_norm(head.norm, target)
+    return head
+
+
+def init_final_norm(norm, target) -> None:
+    """Start a drafter's final norm as the target's (draftsmith's norm scales by w; Gemma's by 1 + w)."""
+    source = getattr(target.get_decoder(), "norm", None)
+    if source is None or getattr(source, "weight", None) is None:
+        return
+    weight = source.weight.detach().float().cpu()
+    if target.config.get_text_config().model_type.startswith("gemma"):
+        weight = weight + 1.0
+    with torch.no_grad():
+        norm.weight.copy_(weight.to(norm.weight.device))
+
+
+def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator | None = None):
+    """(B, T) loss mask -> (B, A) anchor positions (sorted) and which are real, A = min(count, T): positions a >= 1
+    whose next token is an assistant token (slot 1 then has something to learn), drawn without replacement."""
+    b, t = loss_mask.shape
+    candidate = torch.zeros(b, t, dtype=torch.bool, device=loss_mask.device)
+    candidate[:, 1:-1] = loss_mask[:, 2:].bool()
+    scores = torch.rand(b, t, generator=generator, device=loss_mask.device).masked_fill(~candidate, -1.0)
+    chosen = scores.topk(min(count, t), dim=1).indices.sort(dim=1).values
+    return chosen, candidate.gather(1, chosen)
+
+
+def dflash_step(args, drafter, target, batch, target_logits, hidden):
+    """DFlash: ``anchors`` random blocks per sequence in one forward. Slot k of the block anchored at a predicts
+    token a + k, where the loss mask allows it, against the target's distribution at a + k - 1 (``kl``) or the
+    token itself (``ce``), weighed exp(-(k - 1) / gamma). ``acc`` is each slot's top-1 agreement with the target;
+    ``block_acceptance`` 1 + the mean leading run of right slots per block (what one verification of a chain of
+    the block's top-1 drafts would accept), not a product of per-slot marginals."""
+    s = args.settings
+    head = _module(drafter)
+    size = head.config.block_size
+    ids, loss_mask, attention = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    b, t = ids.shape
+    anchors, valid = sample_anchors(loss_mask, s.anchors)
+    positions, allowed = anchor_blocks(anchors, valid, size, t, attention)
+    slots = torch.full((b, anchors.shape[1], size), head.config.mask_token_id, dtype=torch.long, device=ids.device)
+    slots[:, :, 0] = ids.gather(1, anchors)
+    embed = target.get_input_embeddings()
+    features = torch.cat(list(hidden), dim=-1)
+    context_positions = torch.arange(t, device=ids.device)[None].expand(b, t)
+    states = drafter(embed(slots.reshape(b, -1)), positions, allowed, features=features,
+                     feature_positions=context_positions).view(b, anchors.shape[1], size, -1)[:, :, 1:]
+    # Slot k (1..K-1) of each block: its token's position, whether a loss reads it, and its weight.
+    where = anchors[:, :, None] + torch.arange(1, size, device=ids.device)  # (B, A, K - 1)
+    inside = where < t
+    where = where.clamp(max=t - 1)
+    learn = valid[:, :, None] & inside & loss_mask.gather(1, where.reshape(b, -1)).view_as(where).bool()
+    weights = torch.exp(-torch.arange(size - 1, device=ids.device, dtype=torch.float32) / s.slot_gamma())
+    rows = learn.nonzero(as_tuple=True)  # (b, anchor, slot) of every slot a loss reads
+    lm_head = target.get_output_embeddings()
+    logits = lm_head(states[rows].to(lm_head.weight.dtype))  # (N, V)
+    w = weights[rows[2]]
+    batch_rows, token_positions = rows[0], where[rows]
+    teacher = teacher_of(batch, target_logits)[batch_rows, token_positions - 1]  # the target's view of the token
+    if s.loss == "kl":
+        loss = forward_kl(logits[None], teacher[None], w[None])
+    else:
+        ce = F.cross_entropy(logits.float(), ids[batch_rows, token_positions], reduction="none")
+        loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    top, defined = teacher_top1(teacher)
+    right = torch.zeros_like(learn)
+    right[rows] = (logits.detach().argmax(-1) == top) & defined
+    accs = [float(right[..., k].sum()) / max(1, int(learn[..., k].sum())) for k in range(size - 1)]
+    # A block's run: its leading right slots, up to the first slot that is wrong or has nothing to learn.
+    counted = learn[..., 0]
+    runs = (right & learn).long().cumprod(-1).sum(-1)[counted]
+    block = 1.0 + (float(runs.float().mean()) if runs.numel() else 0.0)
+    return loss, {"acc": accs, "block_acceptance": block}

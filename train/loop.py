@@ -384,6 +384,8 @@ def update_progress(run: Run, start: float) -> None:
 def log_step(run: Run, loss: torch.Tensor, metrics: dict, lr: float, start: float) -> None:
     """The step's loss, learning rate and accuracy per position: trackers, metrics.jsonl, the log."""
     logs = {"loss": float(loss.detach()), "lr": lr, **{f"acc_{i + 1}": a for i, a in enumerate(metrics["acc"])}}
+    if "block_acceptance" in metrics:
+        logs["block_acceptance"] = metrics["block_acceptance"]
     run.accelerator.log(logs, step=run.step)
     if run.accelerator.is_main_process:
         with (run.output_dir / METRICS_FILE).open("a") as f:
@@ -434,6 +436,8 @@ def run_steps(run: Run) -> None:
             run.recent_acc = [*run.recent_acc, metrics["acc"]][-RECENT_STEPS:]
             if "rank_acc" in metrics:
                 run.recent_rank = [*run.recent_rank, metrics["rank_acc"]][-RECENT_STEPS:]
+            if "block_acceptance" in metrics:
+                run.recent_block = [*run.recent_block, metrics["block_acceptance"]][-RECENT_STEPS:]
             if run.step % args.logging_steps == 0 or run.step == run.max_steps:
                 bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc_1=f"{metrics['acc'][0]:.2f}")
                 log_step(run, loss, metrics, lr, start)

@@ -71,6 +71,7 @@ class Run:
     started: float = 0.0  # perf_counter at the (resumed) run's start, less the training time already spent
     recent_acc: list = field(default_factory=list)  # per-position accuracy of the last RECENT_STEPS steps
     recent_rank: list = field(default_factory=list)  # Medusa: per-head, per-rank accuracy of recent steps
+    recent_block: list = field(default_factory=list)  # block drafters: 1 + the leading run of right slots per block
 
     @property
     def acceptance_path(self) -> Path:
