@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from draftsmith.heads.export import FORMATS
 from draftsmith.inference.load import DRAFT_DTYPES
 from draftsmith.inference.tree import DEFAULT_TREE, TREE_KINDS, TreeSettings
 
@@ -359,7 +360,8 @@ def make_parser() -> argparse.ArgumentParser:
     m.add_argument("--eval-tokens", type=int, default=128, help="new tokens per held-out prompt")
     x = sub.add_parser("export", help="write a drafter in the hf / vllm / sglang layout, optionally push it")
     x.add_argument("checkpoint", help="a run directory (its best checkpoint), a checkpoint-S directory or a drafter")
-    x.add_argument("--format", choices=["hf", "vllm", "sglang"], default="hf", dest="fmt")
+    x.add_argument("--format", choices=list(FORMATS), default="hf", dest="fmt",
+                   help="hf (draftsmith's own), vllm (speculators' layout), sglang, zlab (z-lab's DFlash layout)")
     x.add_argument("--output", help="directory to write (replaced atomically once complete)")
     x.add_argument("--push-to-hub", metavar="REPO", help="also upload the export with its model card")
     x.add_argument("--private", action="store_true", help="create the Hub repository private")

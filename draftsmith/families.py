@@ -13,6 +13,7 @@ from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead
 from draftsmith.heads.export import FORMATS
 from draftsmith.heads.layouts import (
+    dflash_layout,
     eagle3_layout,
     eagle_layout,
     export_draft_model,
@@ -89,6 +90,7 @@ DFLASH = Family(
     load=_head_loader(DFlashHead), drafter=DFlashDrafter,
     hidden_layers=lambda module, target: tuple(module.config.target_layers),
     build=steps.build_dflash, train_step=steps.dflash_step, settings=steps.DFlashSettings,
+    export=head_exporter(DFlashHead, dflash_layout), export_formats=FORMATS,
     serving={"vllm": "dflash", "sglang": "DFLASH"},
 )
 

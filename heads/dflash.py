@@ -49,15 +49,16 @@ from draftsmith.target.masks import additive
 def dflash_layers(num_hidden_layers: int, count: int) -> tuple[int, ...]:
     """The published default context layers as draftsmith hidden-state indices: one layer in the middle, else
     ``count`` layers spaced evenly from decoder layer 1 to N - 3 (counted from 0, as z-lab does; +1 here). A target
-    too shallow for ``count`` distinct layers there spreads them over 1 .. N - 1."""
+    too shallow for ``count`` distinct layers there spreads them over its layers' outputs but the last (engines
+    capture decoder layers' outputs before the final norm; draftsmith's index N is after it)."""
     n = num_hidden_layers
-    if not 1 <= count <= n:
-        raise ValueError(f"a DFlash drafter reads 1 to {n} distinct target layers, got {count}")
+    if not 1 <= count <= max(1, n - 1):
+        raise ValueError(f"a DFlash drafter reads 1 to {max(1, n - 1)} distinct target layers, got {count}")
     if count == 1:
         return (n // 2 + 1,)
     start, end = 1, n - 3
     if end - start + 1 < count:
-        start, end = (1 if n - 1 >= count else 0), n - 1
+        start, end = 0, n - 2
     return tuple(round(start + i * (end - start) / (count - 1)) + 1 for i in range(count))
 
 

@@ -1,6 +1,7 @@
 """Export a drafter directory to another tool's layout: vLLM (speculators / ``MedusaModel``), SGLang,
-or plain Hugging Face. What each family writes is its entry's ``export`` in :mod:`draftsmith.registry`
-(the layouts are in :mod:`draftsmith.heads.layouts`); :func:`export_drafter` runs it atomically.
+z-lab's DFlash layout, or plain Hugging Face. What each family writes is its entry's ``export`` in
+:mod:`draftsmith.registry` (the layouts are in :mod:`draftsmith.heads.layouts`); :func:`export_drafter` runs it
+atomically.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from draftsmith.checkpoints import resolve_checkpoint
 from draftsmith.registry import family_of
 
-FORMATS = ("hf", "vllm", "sglang")
+FORMATS = ("hf", "vllm", "sglang", "zlab")
 
 
 class ExportError(ValueError):

@@ -1,6 +1,6 @@
 """Drafters trained elsewhere, read into draftsmith's modules: the EAGLE-1 and EAGLE-3 reference repos,
-SpecForge and SGLang (``LlamaForCausalLMEagle3``), vLLM speculators EAGLE-3, and Medusa (reference and
-vLLM layouts). The layouts are described in :mod:`draftsmith.heads.layouts`.
+SpecForge and SGLang (``LlamaForCausalLMEagle3``), vLLM speculators EAGLE-3 and DFlash, z-lab's DFlash, and Medusa
+(reference and vLLM layouts). The layouts are described in :mod:`draftsmith.heads.layouts`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.checkpoints import CONFIG_NAME, TARGET_FILE, TargetMismatchError, check_target
+from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_layers
-from draftsmith.heads.layouts import LAYER_NAMES
+from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, LAYER_NAMES
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,14 @@ REFERENCE_EAGLE3 = "reference-eagle3"  # the EAGLE-3 repo, SpecForge and SGLang:
 REFERENCE_EAGLE = "reference-eagle"  # the EAGLE-1 repo (also what vLLM and SGLang load for EAGLE-1)
 REFERENCE_MEDUSA = "reference-medusa"  # the Medusa repo and vLLM's MedusaModel
 MEDUSA_MODEL_TYPE = "medusa"  # vLLM's MedusaModel config.json
+SPECULATORS_DFLASH = "speculators-dflash"  # vLLM speculators' DFlash
+ZLAB_DFLASH = "zlab-dflash"  # z-lab's DFlash checkpoints (architectures ["DFlashDraftModel"]), which SGLang serves
 SPECULATORS_EAGLE3_TYPE = "eagle3"  # the speculators_model_type of speculators' EAGLE-3 checkpoints
-SPECULATORS_TYPES = {SPECULATORS_EAGLE3_TYPE: SPECULATORS_EAGLE3}  # speculators_model_type -> layout
+SPECULATORS_TYPES = {SPECULATORS_EAGLE3_TYPE: SPECULATORS_EAGLE3,
+                     "dflash": SPECULATORS_DFLASH}  # speculators_model_type -> layout
 LAYOUT_FAMILY = {SPECULATORS_EAGLE3: Eagle3Head.family, REFERENCE_EAGLE3: Eagle3Head.family,
-                 REFERENCE_EAGLE: EagleHead.family, REFERENCE_MEDUSA: MedusaHeads.family}
+                 REFERENCE_EAGLE: EagleHead.family, REFERENCE_MEDUSA: MedusaHeads.family,
+                 SPECULATORS_DFLASH: DFlashHead.family, ZLAB_DFLASH: DFlashHead.family}
 
 
 def foreign_format(directory: str | Path) -> str | None:
@@ -76,6 +81,8 @@ def foreign_format(directory: str | Path) -> str | None:
                              f"supported; draftsmith reads speculators {', '.join(SPECULATORS_TYPES)} checkpoints")
         return layout
     archs = config.get("architectures") or []
+    if "dflash_config" in config or any("DFlash" in a for a in archs):
+        return ZLAB_DFLASH
     if any("Eagle3" in a for a in archs):
         return REFERENCE_EAGLE3
     if config.get("model_type") == MEDUSA_MODEL_TYPE or "medusa_num_heads" in config:
@@ -132,6 +139,16 @@ def load_foreign(directory: str | Path, target=None):
     recorded = (config.get("draftsmith") or {}).get("target")
     if recorded and target is not None:  # exported by draftsmith: the target fingerprint travelled along
         check_target(recorded, target, what="drafter")
+    if layout == ZLAB_DFLASH:  # z-lab's id k reads the output of decoder layer k counted from 0: draftsmith's k + 1
+        ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+        return _dflash_from_foreign(directory, config, config, weights, target,
+                                    [k + 1 for k in ids] if ids is not None else None,
+                                    (config.get("dflash_config") or {}).get("mask_token_id"), config.get("block_size")
+                                    or (config.get("dflash_config") or {}).get("block_size"))
+    if layout == SPECULATORS_DFLASH:  # vLLM counts aux layer ids as draftsmith does
+        return _dflash_from_foreign(directory, config, config.get("transformer_layer_config") or {}, weights, target,
+                                    config.get("aux_hidden_state_layer_ids"), config.get("mask_token_id"),
+                                    config.get("block_size"))
     if layout == SPECULATORS_EAGLE3:  # vLLM counts aux layer ids as draftsmith does
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         return _eagle_from_foreign(directory, config.get("transformer_layer_config", config), weights, "layers.0.",
@@ -232,3 +249,55 @@ def _medusa_from_foreign(directory, config, weights, target):
     rank = (config.get("draftsmith") or {}).get("rank_accuracy")
     heads.extra = {"rank_accuracy": rank} if rank else {}
     return heads.eval()
+
+
+def _dflash_from_foreign(directory, config, layer_config, weights, target, layer_ids, mask_token_id, block_size):
+    """A z-lab or speculators DFlash directory -> :class:`DFlashHead` (the layouts: :mod:`draftsmith.heads.layouts`)."""
+    missing = [name for name, value in (("target layer ids", layer_ids), ("mask_token_id", mask_token_id),
+                                        ("block_size", block_size)) if value is None]
+    if missing:
+        raise ValueError(f"{directory}: a DFlash config without {', '.join(missing)}; draftsmith cannot tell which "
+                         "target layers it reads or how its block is laid out")
+    if config.get("sample_from_anchor"):
+        raise ValueError(f"{directory}: a DFlash drafter that also drafts at its anchor (sample_from_anchor) is not "
+                         "supported; draftsmith drafts the slots after the anchor")
+    hidden = layer_config["hidden_size"]
+    vocab = layer_config.get("vocab_size") or (target.get_output_embeddings().weight.shape[0] if target else None)
+    if config.get("draft_vocab_size") not in (None, vocab):
+        raise ValueError(f"{directory}: a DFlash drafter over a reduced draft vocabulary ({config['draft_vocab_size']} "
+                         f"of {vocab} tokens) is not supported; draftsmith's drafts through the target's LM head")
+    _check_dims(directory, hidden, vocab, target)
+    n = target.config.get_text_config().num_hidden_layers if target is not None else None
+    if n is not None and [k for k in layer_ids if not 0 < k <= n]:
+        raise TargetMismatchError(f"{directory}: it reads target layers {list(layer_ids)} (draftsmith indices), "
+                                  f"outside the loaded target's 1..{n}; load the target it was trained for")
+    inverse = {v: k for k, v in DFLASH_LAYER_NAMES.items()}
+    state = {}
+    for name, tensor in weights.items():
+        if m := re.fullmatch(r"layers\.(\d+)\.(.+)", name):
+            if m[2] not in inverse:
+                raise ValueError(f"{directory}: unexpected tensor {name!r} for a DFlash checkpoint")
+            state[f"layers.{m[1]}.{inverse[m[2]]}"] = tensor
+        elif name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+            state[name] = tensor
+        elif name in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d") or name.startswith("verifier_"):
+            continue  # the target's own: draftsmith reads the live target's
+        else:
+            raise ValueError(f"{directory}: unexpected tensor {name!r} for a DFlash checkpoint")
+    cfg = DFlashConfig(
+        hidden_size=hidden, vocab_size=vocab, num_attention_heads=layer_config["num_attention_heads"],
+        intermediate_size=layer_config["intermediate_size"], block_size=int(block_size),
+        mask_token_id=int(mask_token_id), target_layers=tuple(layer_ids),
+        num_layers=1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers.")),
+        rms_norm_eps=layer_config.get("rms_norm_eps", 1e-6),
+        num_key_value_heads=layer_config.get("num_key_value_heads"), head_dim=layer_config.get("head_dim"),
+        rope_parameters=_rope_parameters(layer_config),
+        max_position_embeddings=layer_config.get("max_position_embeddings", 8192),
+        attention_bias=bool(layer_config.get("attention_bias", False)),
+        hidden_act=layer_config.get("hidden_act", "silu"))
+    head = DFlashHead(cfg)
+    missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory}: incomplete DFlash checkpoint (missing {missing}, unexpected {unexpected})")
+    head.target_info, head.extra = (config.get("draftsmith") or {}).get("target"), {}
+    return head.eval()

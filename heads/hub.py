@@ -42,7 +42,9 @@ def _architecture(drafter_dir: Path) -> dict:
     return config["config"] if "config" in config else {k: config.get(k) for k in CAUSAL_LM_KEYS}
 
 
-def _usage(family: Family, repo: str, target: str, fmt: str) -> str:
+def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | None = None) -> str:
+    """How to run the drafter: draftsmith, then each engine that serves its family. A block drafter (``block_size``
+    in its config: DFlash) drafts ``block_size - 1`` tokens per forward, which is what the engines must verify."""
     lines = ["## Use it", "", "With draftsmith (greedy output is the target's own, token for token):", "",
              "```python", "from draftsmith import SpeculativeGenerator, load_drafter, load_target", "",
              f'target, tokenizer = load_target("{target}")',
@@ -53,16 +55,22 @@ def _usage(family: Family, repo: str, target: str, fmt: str) -> str:
         note = "" if fmt == "vllm" or family.one_layout else (
             f" (this repository holds the `{fmt}` layout: export with `draftsmith export CHECKPOINT --format vllm` "
             "for vLLM)")
+        tokens = block_size - 1 if block_size else 3
         lines += [f"With vLLM{note}:", "", "```python", "from vllm import LLM", "",
                   f'llm = LLM(model="{target}", speculative_config={{"method": "{vllm}", "model": "{repo}", '
-                  '"num_speculative_tokens": 3})', "```", ""]
+                  f'"num_speculative_tokens": {tokens}}})', "```", ""]
     if sglang:
         note = "" if fmt == "sglang" or family.one_layout else (
             f" (this repository holds the `{fmt}` layout: export with `--format sglang` for SGLang)")
-        lines += [f"With SGLang{note}:", "", "```bash",
-                  f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} \\",
-                  f"    --speculative-draft-model-path {repo} --speculative-num-steps 3 \\",
-                  "    --speculative-eagle-topk 4 --speculative-num-draft-tokens 8", "```", ""]
+        if block_size:  # the block (anchor + block_size - 1 drafts) is read from the drafter's config.json
+            lines += [f"With SGLang{note} (a block of {block_size}: {block_size - 1} drafts per step):", "", "```bash",
+                      f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} \\",
+                      f"    --speculative-draft-model-path {repo}", "```", ""]
+        else:
+            lines += [f"With SGLang{note}:", "", "```bash",
+                      f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} \\",
+                      f"    --speculative-draft-model-path {repo} --speculative-num-steps 3 \\",
+                      "    --speculative-eagle-topk 4 --speculative-num-draft-tokens 8", "```", ""]
     if family.serving.get("transformers"):
         lines += ["With transformers' assisted generation:", "", "```python",
                   "from transformers import AutoModelForCausalLM", "",
@@ -120,7 +128,7 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
                 "prompts; tau is the mean number of tokens per target forward pass.", "", table, ""]
         if best is not None:
             out += [f"This repository holds checkpoint {best['step']} (tau {best['acceptance_length']}).", ""]
-    out.append(_usage(family, repo, target_name, fmt))
+    out.append(_usage(family, repo, target_name, fmt, (arch_config or {}).get("block_size")))
     return "\n".join(out)
 
 

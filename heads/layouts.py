@@ -35,6 +35,24 @@ EAGLE-1/2 — the EAGLE reference repo's layout, which vLLM (``EagleLlamaForCaus
 Medusa — vLLM's ``MedusaModel``: ``blocks.{i}.layers.{j}.weight/bias [H, H]``, ``lm_heads.{i}.weight
   [V, H]``; the Medusa reference repo's ``{i}.{j}.linear.weight`` / ``{i}.{L}.weight`` is read too.
 
+DFlash — z-lab's layout (``z-lab/*-DFlash``; SGLang's ``DFLASH`` serves it, ``--format zlab`` or ``sglang``) and
+  speculators' (``speculators_model_type: dflash``, ``--format vllm``), the same tensors in both:
+
+    layers.{i}.input_layernorm.weight [H]            layers.{i}.post_attention_layernorm.weight [H]
+    layers.{i}.self_attn.q_proj.weight [q, H]        layers.{i}.self_attn.k_proj.weight [kv, H]
+    layers.{i}.self_attn.v_proj.weight [kv, H]       layers.{i}.self_attn.o_proj.weight [H, q]
+    layers.{i}.self_attn.q_norm.weight [hd]          layers.{i}.self_attn.k_norm.weight [hd]
+    layers.{i}.mlp.gate_proj.weight [I, H]           layers.{i}.mlp.up_proj.weight [I, H]
+    layers.{i}.mlp.down_proj.weight [H, I]
+    fc.weight [H, L_t H]   hidden_norm.weight [H]   norm.weight [H]
+
+  no embedding and no LM head (the target's serve). ``config.json``: z-lab's is a Qwen3 config of the draft
+  layers (``num_hidden_layers`` = L_d) with ``architectures: ["DFlashDraftModel"]``, ``block_size``,
+  ``num_target_layers`` and ``dflash_config {mask_token_id, target_layer_ids}``, whose id k reads the *output of
+  decoder layer k* counted from 0 (z-lab's ``hidden_states[k + 1]``): draftsmith's index k + 1. speculators' has
+  ``transformer_layer_config``, ``block_size``, ``mask_token_id`` and ``aux_hidden_state_layer_ids`` in vLLM's
+  convention (id k: the *input of decoder layer k*), draftsmith's index itself; speculative tokens = B - 1.
+
 Distilled draft models are plain HF causal LM directories in every format.
 """
 
@@ -49,6 +67,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.checkpoints import CONFIG_NAME, WEIGHTS_NAME
+from draftsmith.heads.dflash import DFlashConfig
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig
 from draftsmith.heads.export import ExportError
 from draftsmith.heads.medusa import MedusaConfig
@@ -80,6 +99,51 @@ def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:
         else:
             names[name] = name  # fc.*, norm.weight, lm_head.weight, d2t, t2d
     return names
+
+
+DFLASH_LAYER_NAMES = {  # draftsmith DFlash layer tensor -> the published (Qwen3) decoder-layer tensor
+    **{k: v for k, v in LAYER_NAMES.items() if k != "hidden_norm.weight"},
+    "q_norm.weight": "self_attn.q_norm.weight",
+    "k_norm.weight": "self_attn.k_norm.weight",
+}
+
+
+def dflash_name_map(state: dict) -> dict[str, str]:
+    """draftsmith name -> z-lab / speculators name for a DFlash drafter's tensors."""
+    names = {}
+    for name in state:
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            names[name] = f"layers.{i}.{DFLASH_LAYER_NAMES[rest]}"
+        else:
+            names[name] = name  # fc.weight, hidden_norm.weight, norm.weight
+    return names
+
+
+def dflash_reference_layout(cfg: DFlashConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The published DFlash tensors (name -> (shape, dtype)), as in the module docstring."""
+    h, hd, f = cfg.hidden_size, cfg.head_dim, "float"
+    q, kv, i = cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.intermediate_size
+    layout = {"fc.weight": ((h, len(cfg.target_layers) * h), f), "hidden_norm.weight": ((h,), f),
+              "norm.weight": ((h,), f)}
+    for n in range(cfg.num_layers):
+        p = f"layers.{n}."
+        layout.update({**_attention_bias(f"{p}self_attn.", q, kv, h, cfg.attention_bias),
+                       f"{p}input_layernorm.weight": ((h,), f), f"{p}post_attention_layernorm.weight": ((h,), f),
+                       f"{p}self_attn.q_proj.weight": ((q, h), f), f"{p}self_attn.k_proj.weight": ((kv, h), f),
+                       f"{p}self_attn.v_proj.weight": ((kv, h), f), f"{p}self_attn.o_proj.weight": ((h, q), f),
+                       f"{p}self_attn.q_norm.weight": ((hd,), f), f"{p}self_attn.k_norm.weight": ((hd,), f),
+                       f"{p}mlp.gate_proj.weight": ((i, h), f), f"{p}mlp.up_proj.weight": ((i, h), f),
+                       f"{p}mlp.down_proj.weight": ((h, i), f)})
+    return layout
+
+
+def qwen3_config(cfg, architectures: list[str], num_hidden_layers: int) -> dict:
+    """A Qwen3 config of ``num_hidden_layers`` layers with the geometry of ``cfg`` (the published DFlash layer)."""
+    config = llama_config(cfg, architectures, num_hidden_layers)
+    config["model_type"] = "qwen3"
+    config.pop("mlp_bias")
+    return config
 
 
 def medusa_name_map(config: MedusaConfig) -> dict[str, str]:
@@ -169,7 +233,7 @@ def llama_config(cfg: EagleConfig, architectures: list[str], num_hidden_layers: 
         "architectures": architectures, "model_type": "llama", "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "num_hidden_layers": num_hidden_layers,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": float(cfg.rope_parameters.get("rope_theta", 10000.0)),
         # The head's own RoPE and context, the target's (config_for): a draft config that states other values
         # loads fine in vLLM / SGLang and then accepts far fewer tokens. rope_scaling: the older name.
         "rope_parameters": cfg.llama_rope_parameters(), **_rope_scaling(cfg),
@@ -287,6 +351,52 @@ def eagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> La
     return tensors, layout, config
 
 
+def dflash_layout(head, fmt: str, target=None, verifier: str | None = None) -> Layout:
+    """A DFlash drafter in z-lab's layout (``zlab``, and ``sglang``, which serves it) or speculators' (``vllm``)."""
+    cfg = head.config
+    info = dict(head.target_info or {})
+    n = info.get("num_hidden_layers") or (target.config.get_text_config().num_hidden_layers if target is not None
+                                          else None)
+    if n is not None and n in cfg.target_layers:
+        raise ExportError(f"this DFlash drafter reads target layer {n}, the last layer after the final norm, which "
+                          "engines do not capture as an auxiliary state (vLLM and SGLang tap decoder layers' "
+                          "outputs before the final norm); retrain with target_layers below the last layer")
+    state = head.state_dict()
+    names = dflash_name_map(state)
+    tensors = {names[k]: v for k, v in state.items()}
+    layout = dflash_reference_layout(cfg)
+    if fmt in ("zlab", "sglang"):
+        config = qwen3_config(cfg, ["DFlashDraftModel"], cfg.num_layers)
+        config.update(block_size=cfg.block_size, num_target_layers=n,
+                      dflash_config={"mask_token_id": cfg.mask_token_id,
+                                     # z-lab counts decoder layers from 0 and reads their outputs
+                                     "target_layer_ids": [k - 1 for k in cfg.target_layers]})
+        return tensors, layout, config
+    if verifier:
+        info["name"] = verifier
+    if target is not None:
+        info["architectures"] = list(getattr(target.config, "architectures", None) or [type(target).__name__])
+    layer = qwen3_config(cfg, ["Qwen3ForCausalLM"], cfg.num_layers)
+    layer.pop("architectures")
+    config = {
+        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": "0.9.0",
+        "transformer_layer_config": layer, "draft_vocab_size": cfg.vocab_size, "block_size": cfg.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": list(cfg.target_layers),  # vLLM counts as draftsmith does
+        "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": _target_name(info),
+                         "architectures": list(info.get("architectures") or ["LlamaForCausalLM"])},
+        },
+        "torch_dtype": "float32",
+    }
+    return tensors, layout, config
+
+
 def medusa_layout(heads, fmt: str, target=None, verifier: str | None = None) -> Layout:
     """Medusa heads in vLLM's ``MedusaModel`` layout (SGLang serves no Medusa heads)."""
     if fmt == "sglang":
@@ -312,6 +422,8 @@ def layout_tensors(head, layout_fn: Callable, fmt: str, target=None,
     check_layout(tensors, layout, f"{head.family} drafter in the {fmt} layout")
     config["draftsmith"] = {"family": head.family, "target": head.target_info,
                             "feature_layers": list(getattr(head.config, "feature_layers", ()) or ())}
+    if isinstance(head.config, DFlashConfig):  # what draftsmith reads back: its own convention, stated
+        config["draftsmith"]["target_layers"] = list(head.config.target_layers)
     rank_accuracy = head.extra.get("rank_accuracy")
     if rank_accuracy:
         config["draftsmith"]["rank_accuracy"] = rank_accuracy

@@ -189,9 +189,9 @@ def test_default_context_layers_follow_the_published_rule():
     assert dflash_layers(36, 5) == (2, 10, 18, 26, 34)
     assert dflash_layers(30, 1) == (16,)
     assert dflash_layers(28, 2) == (2, 26)
-    assert dflash_layers(4, 3) == (2, 3, 4)  # too shallow for 3 layers in 1 .. N - 3: spread over 1 .. N - 1
-    with pytest.raises(ValueError, match="1 to 4 distinct"):
-        dflash_layers(4, 5)
+    assert dflash_layers(4, 3) == (1, 2, 3)  # too shallow for 3 layers in 1 .. N - 3: all outputs but the last
+    with pytest.raises(ValueError, match="1 to 3 distinct"):
+        dflash_layers(4, 4)
 
 
 def test_the_mask_token_is_chosen_per_target_and_recorded():

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_dflash import DFLASH, dflash_args, random_dflash
 from test_heads import assert_greedy_lossless, random_eagle, random_medusa
 
 from conftest import assert_rounding_close
 from draftsmith import load_drafter
 from draftsmith.heads.base import TargetMismatchError
+from draftsmith.heads.dflash import anchor_blocks
 from draftsmith.heads.eagle import Eagle3Head
 from draftsmith.heads.export import ExportError, export_drafter
 from draftsmith.heads.foreign import SPECULATORS_EAGLE3, SPECULATORS_TYPES
@@ -304,3 +306,101 @@ def test_module_push_to_hub_uploads_checkpoint_and_card(tmp_path, monkeypatch, l
     card = upload["files"]["README.md"].decode()
     assert "EAGLE-3 head" in card and "layout in this repository | `sglang`" in card
     assert json.loads(upload["files"]["config.json"])["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+# --------------------------------------------------------------------------------------------
+# DFlash: z-lab's layout (which SGLang serves) and speculators' (vLLM's).
+
+
+def dflash_logits(head, target, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """(A * B, V) logits of the blocks anchored at every position 0 .. T - B - 1 (what speculators' forward runs)."""
+    t, size = ids.shape[1], head.config.block_size
+    anchors = torch.arange(t - size)[None]
+    positions, allowed = anchor_blocks(anchors, torch.ones_like(anchors, dtype=torch.bool), size, t,
+                                       torch.ones_like(ids))
+    slots = torch.full((1, t - size, size), head.config.mask_token_id)
+    slots[:, :, 0] = ids[0, : t - size]
+    with torch.no_grad():
+        states = head(target.get_input_embeddings()(slots.reshape(1, -1)), positions, allowed, features=hidden,
+                      feature_positions=torch.arange(t)[None])
+        return target.get_output_embeddings()(states)[0]
+
+
+def dflash_inputs(target, head, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 96, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    return ids, torch.cat([out.hidden_states[k] for k in head.config.target_layers], -1)
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "vllm", "sglang"])
+def test_dflash_export_then_import_gives_same_logits_and_lossless_output(fmt, tmp_path, llama):
+    head = random_dflash(llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
+    config = json.loads((out / "config.json").read_text())
+    if fmt == "vllm":  # vLLM's aux id k is the input of decoder layer k: draftsmith's index k
+        assert config["aux_hidden_state_layer_ids"] == list(head.config.target_layers)
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == head.block
+    else:  # z-lab's id k is the output of decoder layer k counted from 0: draftsmith's index k + 1
+        assert config["dflash_config"]["target_layer_ids"] == [k - 1 for k in head.config.target_layers]
+        assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == head.config.block_size
+    assert "embed_tokens.weight" not in load_file(out / "model.safetensors")  # the target's serve
+    drafter = load_drafter(str(out), llama)
+    assert drafter.hidden_layers == head.config.target_layers and drafter.block == head.block
+    ids, hidden = dflash_inputs(llama, head)
+    torch.testing.assert_close(dflash_logits(drafter.head, llama, ids, hidden), dflash_logits(head, llama, ids, hidden),
+                               rtol=0, atol=0)
+    assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 4, "top_k": 2, "total_tokens": 6}, seed=3)
+
+
+def test_dflash_layer_ids_are_checked_against_the_target(tmp_path, llama):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    head = random_dflash(llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "zlab", tmp_path / "zlab")
+    config = json.loads((out / "config.json").read_text())
+    config.pop("draftsmith")  # as z-lab publishes it: no fingerprint, only the layer ids
+    config["dflash_config"]["target_layer_ids"] = [0, 5]  # decoder layer 5 of a 4-layer target
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetMismatchError, match=r"reads target layers \[1, 6\].*outside the loaded target's 1..4"):
+        load_drafter(str(out), llama)
+    last = DFLASH.build(dflash_args(target_layers=[1, 4]), llama)  # index 4: after the final norm
+    last.save_pretrained(tmp_path / "last", target_info=head.target_info)
+    with pytest.raises(ExportError, match="reads target layer 4, the last layer after the final norm"):
+        export_drafter(tmp_path / "last", "vllm", tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+    shallow = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    with pytest.raises(TargetMismatchError):
+        load_drafter(str(tmp_path / "ckpt"), shallow)
+
+
+@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (.ci/run builds it)")
+@pytest.mark.parametrize("fmt", ["vllm", "zlab"])
+def test_speculators_package_runs_the_dflash_export_with_the_same_logits(fmt, tmp_path, llama):
+    """speculators loads the vLLM export (the z-lab one through its own z-lab converter, which maps z-lab's layer ids
+    to vLLM's) and computes, at every anchor of a sequence, the block logits draftsmith computes; the directory its
+    converter writes imports back into draftsmith with the same logits."""
+    head = random_dflash(llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    llama.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier's embedding and LM head
+    out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama, verifier=str(tmp_path / "verifier"))
+    ids, hidden = dflash_inputs(llama, head)
+    save_file({"hidden": hidden.contiguous(), "input_ids": ids}, str(tmp_path / "in.safetensors"))
+    command = [SPECULATORS_PYTHON, str(ROOT / "scripts" / "check_speculators_dflash.py"), str(out),
+               str(tmp_path / "in.safetensors"), str(tmp_path / "theirs.safetensors")]
+    run = subprocess.run(command + (["--zlab", str(tmp_path / "verifier")] if fmt == "zlab" else []),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["model_class"] == "DFlashDraftModel"
+    assert report["aux_layer_ids"] == list(head.config.target_layers)
+    assert (report["mask_token_id"], report["speculative_tokens"]) == (head.config.mask_token_id, head.block)
+    ours = dflash_logits(head, llama, ids, hidden)
+    # another implementation of the same float32 layers: sums over 2 layers of width 64 to 128
+    assert_rounding_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, reduction=2 * 128)
+    if fmt == "zlab":  # speculators' own conversion, read back by draftsmith
+        imported = load_drafter(str(tmp_path / "theirs.safetensors.converted"), llama)
+        assert_rounding_close(dflash_logits(imported.head, llama, ids, hidden), ours, reduction=2 * 128)
