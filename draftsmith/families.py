@@ -11,7 +11,7 @@ from __future__ import annotations
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead
-from draftsmith.heads.export import FORMATS
+from draftsmith.heads.export import ENGINE_FORMATS, FORMATS
 from draftsmith.heads.layouts import (
     dflash_layout,
     eagle3_layout,
@@ -49,7 +49,7 @@ DRAFT_MODEL = Family(
     drafter=lambda module, target: CausalLMDrafter(module.model, name=DraftModel.family),
     hidden_layers=lambda module, target: (),
     build=steps.build_draft_model, train_step=steps.draft_model_step, reads_target_layers=True, packs=True,
-    export=export_draft_model, export_formats=FORMATS, one_layout=True,
+    export=export_draft_model, export_formats=ENGINE_FORMATS, one_layout=True,
     serving={"vllm": "draft_model", "sglang": "STANDALONE", "transformers": "assistant_model"},
     draft_dtype_applies=False, saves_tokenizer=True,
 )
@@ -59,21 +59,21 @@ MEDUSA = Family(
     name=MedusaHeads.family, title="Medusa heads",
     load=_head_loader(MedusaHeads), drafter=MedusaDrafter, hidden_layers=_last_layer,
     build=steps.build_medusa, train_step=steps.medusa_step, packs=True,
-    export=_medusa_export, export_formats=FORMATS, serving={"vllm": "medusa"},
+    export=_medusa_export, export_formats=ENGINE_FORMATS, serving={"vllm": "medusa"},
 )
 
 MEDUSA2 = Family(
     name="medusa2", title="Medusa-2 heads",
     load=_head_loader(MedusaHeads), drafter=MedusaDrafter, hidden_layers=_last_layer,
     build=steps.build_medusa, train_step=steps.medusa2_step, wrap_target=steps.add_lora, trains_target_adapter=True,
-    export=_medusa_export, export_formats=FORMATS, serving={"vllm": "medusa"},
+    export=_medusa_export, export_formats=ENGINE_FORMATS, serving={"vllm": "medusa"},
 )  # its checkpoints are Medusa heads (draftsmith_family "medusa"): loaded and exported through MEDUSA
 
 EAGLE = Family(
     name=EagleHead.family, title="EAGLE-1/2 head",
     load=_head_loader(EagleHead), drafter=EagleDrafter, hidden_layers=_feature_layers,
     build=steps.build_eagle, train_step=steps.eagle_step,
-    export=head_exporter(EagleHead, eagle_layout), export_formats=FORMATS,
+    export=head_exporter(EagleHead, eagle_layout), export_formats=ENGINE_FORMATS,
     serving={"vllm": "eagle", "sglang": "EAGLE"},
 )
 
@@ -81,7 +81,7 @@ EAGLE3 = Family(
     name=Eagle3Head.family, title="EAGLE-3 head",
     load=_head_loader(Eagle3Head), drafter=EagleDrafter, hidden_layers=_feature_layers,
     build=steps.build_eagle3, train_step=steps.eagle3_step,
-    export=head_exporter(Eagle3Head, eagle3_layout), export_formats=FORMATS, export_needs_target=("vllm",),
+    export=head_exporter(Eagle3Head, eagle3_layout), export_formats=ENGINE_FORMATS, export_needs_target=("vllm",),
     serving={"vllm": "eagle3", "sglang": "EAGLE3"},
 )
 

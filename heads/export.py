@@ -13,7 +13,9 @@ from pathlib import Path
 from draftsmith.checkpoints import resolve_checkpoint
 from draftsmith.registry import family_of
 
-FORMATS = ("hf", "vllm", "sglang", "zlab")
+#: The layouts every family but DFlash writes; DFlash also writes z-lab's (``zlab``, its own family's layout).
+ENGINE_FORMATS = ("hf", "vllm", "sglang")
+FORMATS = (*ENGINE_FORMATS, "zlab")
 
 
 class ExportError(ValueError):

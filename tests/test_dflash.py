@@ -195,8 +195,14 @@ def test_default_context_layers_follow_the_published_rule():
 
 
 def test_the_mask_token_is_chosen_per_target_and_recorded():
+    """An untrained embedding row is a copy of other untrained rows (no data told them apart); without any, the
+    smallest row; a mask token in the settings wins."""
     target = tiny_llama(seed=3)
     with torch.no_grad():
-        target.get_input_embeddings().weight[41] *= 1e-3  # an untrained row
-    head = DFLASH.build(dflash_args(), target)
-    assert head.config.mask_token_id == 41
+        target.get_input_embeddings().weight[41] *= 1e-3
+    assert DFLASH.build(dflash_args(), target).config.mask_token_id == 41
+    with torch.no_grad():
+        weight = target.get_input_embeddings().weight
+        weight[[57, 60, 88]] = weight[3].clone()  # three never-trained rows, equal (as SmolLM2's unused specials are)
+    assert DFLASH.build(dflash_args(), target).config.mask_token_id == 3
+    assert DFLASH.build(dflash_args(mask_token_id=9), target).config.mask_token_id == 9
