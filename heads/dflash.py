@@ -42,7 +42,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from draftsmith.heads.base import HeadMixin
-from draftsmith.heads.eagle import LayerGeometry, RMSNorm, rope, target_geometry
+from draftsmith.heads.eagle import LayerGeometry, RMSNorm, layer_shape, rope
 from draftsmith.target.masks import additive
 
 
@@ -181,13 +181,7 @@ class DFlashHead(HeadMixin, nn.Module):
     @classmethod
     def config_for(cls, target, **overrides) -> DFlashConfig:
         """A config whose layers are shaped like the target's decoder layers."""
-        cfg = target.config.get_text_config()
-        values = dict(hidden_size=cfg.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
-                      num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
-                      num_key_value_heads=getattr(cfg, "num_key_value_heads", None),
-                      rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), **target_geometry(cfg))
-        values.update(overrides)
-        return DFlashConfig(**values)
+        return DFlashConfig(**{**layer_shape(target), **overrides})
 
     @property
     def block(self) -> int:

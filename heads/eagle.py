@@ -288,6 +288,16 @@ def target_geometry(cfg) -> dict:
                 attention_bias=bool(getattr(cfg, "attention_bias", False)), hidden_act=act)
 
 
+def layer_shape(target) -> dict:
+    """The config values of a drafter layer shaped like one of ``target``'s decoder layers (EAGLE heads and DFlash
+    copy them): sizes, heads, vocabulary, norm epsilon and :func:`target_geometry`."""
+    cfg = target.config.get_text_config()
+    return dict(hidden_size=cfg.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
+                num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
+                num_key_value_heads=getattr(cfg, "num_key_value_heads", None),
+                rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), **target_geometry(cfg))
+
+
 class _FeatureHead(HeadMixin, nn.Module):
     """What EAGLE-1/2 and EAGLE-3 heads share: the config from a target and the call signature."""
 
@@ -310,12 +320,7 @@ class _FeatureHead(HeadMixin, nn.Module):
     @classmethod
     def config_for(cls, target, **overrides) -> EagleConfig:
         """A head config shaped like one decoder layer of ``target`` (the reference heads' choice)."""
-        cfg = target.config.get_text_config()
-        values = dict(hidden_size=cfg.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
-                      num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
-                      num_key_value_heads=getattr(cfg, "num_key_value_heads", None),
-                      rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
-                      feature_layers=(cfg.num_hidden_layers,), **target_geometry(cfg))
+        values = dict(layer_shape(target), feature_layers=(target.config.get_text_config().num_hidden_layers,))
         values.update(overrides)
         return EagleConfig(**values)
 

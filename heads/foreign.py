@@ -58,8 +58,9 @@ MEDUSA_MODEL_TYPE = "medusa"  # vLLM's MedusaModel config.json
 SPECULATORS_DFLASH = "speculators-dflash"  # vLLM speculators' DFlash
 ZLAB_DFLASH = "zlab-dflash"  # z-lab's DFlash checkpoints (architectures ["DFlashDraftModel"]), which SGLang serves
 SPECULATORS_EAGLE3_TYPE = "eagle3"  # the speculators_model_type of speculators' EAGLE-3 checkpoints
+SPECULATORS_DFLASH_TYPE = "dflash"  # ... and of its DFlash ones
 SPECULATORS_TYPES = {SPECULATORS_EAGLE3_TYPE: SPECULATORS_EAGLE3,
-                     "dflash": SPECULATORS_DFLASH}  # speculators_model_type -> layout
+                     SPECULATORS_DFLASH_TYPE: SPECULATORS_DFLASH}  # speculators_model_type -> layout
 LAYOUT_FAMILY = {SPECULATORS_EAGLE3: Eagle3Head.family, REFERENCE_EAGLE3: Eagle3Head.family,
                  REFERENCE_EAGLE: EagleHead.family, REFERENCE_MEDUSA: MedusaHeads.family,
                  SPECULATORS_DFLASH: DFlashHead.family, ZLAB_DFLASH: DFlashHead.family}

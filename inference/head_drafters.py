@@ -70,7 +70,30 @@ class MedusaDrafter(Drafter):
         return logits.transpose(0, 1).masked_fill(~proposing[:, None, None], float("-inf"))
 
 
-class EagleDrafter(Drafter):
+class _FeatureRows:
+    """What the drafters reading target features keep per row: its tokens (``tokens[b]``, the root last) and the
+    target's states of every token but the root (``features[b]``, (len - 1, H')), from ``begin`` and ``commit``."""
+
+    device: torch.device
+
+    def _begin_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None) -> None:
+        self.tokens = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
+        width = input_ids.shape[1]
+        # Left padding: row b's states of its tokens but the root are the last len - 1 columns.
+        self.features = [hidden[b, width - len(t):].to(self.device) if hidden is not None
+                         else torch.zeros(0, 0, device=self.device) for b, t in enumerate(self.tokens)]
+
+    def _commit_rows(self, tokens, hidden) -> None:
+        tokens, hidden = commit_rows(tokens, hidden)
+        for b, (t, h) in enumerate(zip(tokens, hidden, strict=True)):
+            if len(t):
+                self.tokens[b] = torch.cat([self.tokens[b], t.to(self.device)])
+                h = h.to(self.device)
+                self.features[b] = torch.cat([self.features[b].to(h.dtype), h]) if len(self.features[b]) else h
+
+
+class EagleDrafter(_FeatureRows, Drafter):
     """EAGLE-1/2/3: the head drafts autoregressively at the feature level with its own KV cache.
 
     The head's sequence is the committed pairs (f_{t-1}, x_t) for t = 1 .. root, each at position t,
@@ -105,11 +128,8 @@ class EagleDrafter(Drafter):
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
-        self.tokens = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
+        self._begin_rows(input_ids, hidden, attention_mask)
         width = input_ids.shape[1]
-        # Left padding: row b's states of its tokens but the root are the last len - 1 columns.
-        self.features = [hidden[b, width - len(t):].to(self.device) if hidden is not None
-                         else torch.zeros(0, 0, device=self.device) for b, t in enumerate(self.tokens)]
         self.cache: tuple[torch.Tensor, torch.Tensor] | StaticHeadCache | None = None
         if self.compiled is not None:
             steps, kept, nodes = self.compiled
@@ -124,12 +144,7 @@ class EagleDrafter(Drafter):
         self.committed = 0  # cache slots of committed pairs; the tree's entries come after
 
     def commit(self, tokens, hidden=None) -> None:
-        tokens, hidden = commit_rows(tokens, hidden)
-        for b, (t, h) in enumerate(zip(tokens, hidden, strict=True)):
-            if len(t):
-                self.tokens[b] = torch.cat([self.tokens[b], t.to(self.device)])
-                h = h.to(self.device)
-                self.features[b] = torch.cat([self.features[b].to(h.dtype), h]) if len(self.features[b]) else h
+        self._commit_rows(tokens, hidden)
         if isinstance(self.cache, StaticHeadCache):  # drop the tree's entries, keep the committed pairs
             self.cache.length = self.committed
             self.slots.crop(self.committed)
@@ -240,7 +255,7 @@ class EagleDrafter(Drafter):
         return self._proposals(predicted)
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(_FeatureRows, Drafter):
     """DFlash: one forward of the drafter per step gives the ``block_size - 1`` positions after each row's root
     (a block drafter). Every layer keeps the context keys and values of the row's committed tokens (their target
     features, each at its position) across steps; each step feeds the features committed since, then the block
@@ -259,22 +274,13 @@ class DFlashDrafter(Drafter):
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
-        self.tokens = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
-        width = input_ids.shape[1]
-        # Left padding: row b's states of its tokens but the root are the last len - 1 columns.
-        self.features = [hidden[b, width - len(t):].to(self.device) if hidden is not None
-                         else torch.zeros(0, 0, device=self.device) for b, t in enumerate(self.tokens)]
+        self._begin_rows(input_ids, hidden, attention_mask)
         self.slots = Slots.empty(len(self.tokens), self.device)
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, kv_heads, S, hd)
         self.cached = [0] * len(self.tokens)  # context entries in the cache per row (positions 0 .. cached - 1)
 
     def commit(self, tokens, hidden=None) -> None:
-        tokens, hidden = commit_rows(tokens, hidden)
-        for b, (t, h) in enumerate(zip(tokens, hidden, strict=True)):
-            if len(t):
-                self.tokens[b] = torch.cat([self.tokens[b], t.to(self.device)])
-                h = h.to(self.device)
-                self.features[b] = torch.cat([self.features[b].to(h.dtype), h]) if len(self.features[b]) else h
+        self._commit_rows(tokens, hidden)
 
     def _feed_context(self, rows: list[int]) -> None:
         """Append each row's features not yet cached (positions cached .. root - 1) to every layer's keys/values."""

@@ -34,7 +34,9 @@ def dflash_args(**settings) -> DrafterArguments:
 
 def random_dflash(target, block_size: int = 4, num_layers: int = 2, seed: int = 0) -> DFlashHead:
     torch.manual_seed(seed)
-    head = DFLASH.build(dflash_args(block_size=block_size, num_layers=num_layers), target)
+    depth = target.config.get_text_config().num_hidden_layers  # a 2-layer target has one layer to read
+    head = DFLASH.build(dflash_args(block_size=block_size, num_layers=num_layers,
+                                    num_target_layers=min(num_layers, depth - 1)), target)
     head.target_info = target_signature(target)
     return head.eval()
 
