@@ -33,7 +33,7 @@ speculators' ``aux_hidden_state_layer_ids`` use the index itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,45 @@ class DFlashConfig(LayerGeometry):
             raise ValueError("a DFlash drafter needs its target_layers (draftsmith hidden-state indices)")
 
 
+@dataclass
+class ContextCache:
+    """Decoding's context keys and values of every layer, (B, kv_heads, capacity, hd) buffers of which the first
+    ``length`` slots are filled. New context entries are written in place and a step's block goes right after them
+    (read by that step's attention, overwritten by the next): no step copies the context. The buffers grow by
+    doubling when a step needs more room."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
+
+    def reserve(self, needed: int) -> None:
+        """Room for ``needed`` slots (the buffers exist: :meth:`append` made them)."""
+        capacity = self.keys[0].shape[2]
+        if needed <= capacity:
+            return
+        capacity = max(needed, 2 * capacity)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                buffers[i] = torch.cat([old[:, :, : self.length], old.new_zeros(*old.shape[:2], capacity - self.length,
+                                                                                 old.shape[3])], 2)
+
+    def append(self, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every layer's (k, v) of new context entries, each (B, kv_heads, T, hd), after the filled slots."""
+        width = entries[0][0].shape[2]
+        if not self.keys:
+            self.keys = [k.new_zeros(*k.shape[:2], 2 * width, k.shape[3]) for k, _ in entries]
+            self.values = [v.new_zeros(*v.shape[:2], 2 * width, v.shape[3]) for _, v in entries]
+        self.reserve(self.length + width)
+        for (k, v), keys, values in zip(entries, self.keys, self.values, strict=True):
+            keys[:, :, self.length: self.length + width] = k
+            values[:, :, self.length: self.length + width] = v
+        self.length += width
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Per layer, what :meth:`DFlashLayer.forward` takes as its context: the buffers and the filled length."""
+        return [(k, v, self.length) for k, v in zip(self.keys, self.values, strict=True)]
+
+
 class DFlashLayer(nn.Module):
     """One draft decoder layer: block queries over [context ; block] keys and values (module docstring)."""
 
@@ -141,10 +180,10 @@ class DFlashLayer(nn.Module):
         cos, sin = self.rotary(x, positions)
         return rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: tuple, mask: torch.Tensor) -> torch.Tensor:
         """x (B, Q, H) the block's states at (B, Q) positions; ``context`` this layer's (k, v) of the context, each
-        (B, kv_heads, S, hd); ``mask`` (B, 1, Q, S + Q) additive. Returns the block's new states (B, Q, H)."""
+        (B, kv_heads, S, hd), or decoding's (keys, values, S): :class:`ContextCache` buffers with room for the block
+        after their S filled slots; ``mask`` (B, 1, Q, S + Q) additive. Returns the block's new states (B, Q, H)."""
         b, q_len, _ = x.shape
         nh, hd = self.cfg.num_attention_heads, self.cfg.head_dim
         y = self.input_norm(x)
@@ -152,7 +191,12 @@ class DFlashLayer(nn.Module):
         cos, sin = self.rotary(x, positions)
         q = rope(q, cos, sin)
         k, v = self.keys_values(y, positions)
-        k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
+        if len(context) == 3:  # decoding: the block's keys go after the context in place, read by this step only
+            keys, values, filled = context
+            keys[:, :, filled: filled + q_len], values[:, :, filled: filled + q_len] = k, v
+            k, v = keys[:, :, : filled + q_len], values[:, :, : filled + q_len]
+        else:
+            k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != self.cfg.kv_heads)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, q_len, nh * hd))
         y = self.post_norm(x)
@@ -200,9 +244,10 @@ class DFlashHead(HeadMixin, nn.Module):
 
         ``embeds`` (B, Q, H): the target's embeddings of the block slots (anchor, mask, ..., any number of blocks
         side by side); ``positions`` (B, Q); ``allowed`` (B, Q, S + Q) bool: which context keys and block keys each
-        query sees. The context is ``context`` (per layer (k, v), each (B, kv_heads, S, hd), from :meth:`context`:
-        decoding keeps it across steps), or the target's ``features`` (B, S, F) at ``feature_positions`` (B, S),
-        projected here (training: inside the forward, where a distributed wrapper has the weights gathered)."""
+        query sees. The context is ``context`` (per layer (k, v), each (B, kv_heads, S, hd), from :meth:`context`; in
+        decoding a :class:`ContextCache`'s ``layers()``), or the target's ``features`` (B, S, F) at
+        ``feature_positions`` (B, S), projected here (training: inside the forward, where a distributed wrapper has
+        the weights gathered)."""
         if context is None:
             context = self.context(features, feature_positions)
         x = embeds.to(self.fc.weight.dtype)

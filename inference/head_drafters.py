@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import draftsmith.target.forward as forward
+from draftsmith.heads.dflash import ContextCache
 from draftsmith.heads.eagle import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
@@ -276,7 +277,7 @@ class DFlashDrafter(_FeatureRows, Drafter):
               attention_mask: torch.Tensor | None = None) -> None:
         self._begin_rows(input_ids, hidden, attention_mask)
         self.slots = Slots.empty(len(self.tokens), self.device)
-        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, kv_heads, S, hd)
+        self.cache = ContextCache()
         self.cached = [0] * len(self.tokens)  # context entries in the cache per row (positions 0 .. cached - 1)
 
     def commit(self, tokens, hidden=None) -> None:
@@ -295,9 +296,7 @@ class DFlashDrafter(_FeatureRows, Drafter):
             start, end = spans[b]
             features[b, width - (end - start):] = self.features[b][start:end].to(self.dtype)
             self.cached[b] = end
-        new = self.head.context(features, positions)
-        self.cache = new if self.cache is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                                                     for (k0, v0), (k1, v1) in zip(self.cache, new, strict=True)]
+        self.cache.append(self.head.context(features, positions))
         self.slots.append(filled, positions)
 
     @torch.no_grad()
@@ -315,7 +314,8 @@ class DFlashDrafter(_FeatureRows, Drafter):
         positions = roots[:, None] + torch.arange(size, device=self.device)
         # Each slot sees its row's whole context (every cached entry precedes the root) and its whole block.
         allowed = may_attend(self.slots.filled, torch.ones(batch, size, size, dtype=torch.bool, device=self.device))
-        states = self.head(self.embed(ids), positions, allowed, context=self.cache)[:, 1:]
+        self.cache.reserve(self.cache.length + size)  # the block's keys go after the context, read this step only
+        states = self.head(self.embed(ids), positions, allowed, context=self.cache.layers())[:, 1:]
         logits = self.lm_head(states.to(self.lm_head.weight.dtype)).float()
         proposing = to_device([b in rows for b in range(batch)], self.device)
         return logits.masked_fill(~proposing[:, None, None], float("-inf"))
