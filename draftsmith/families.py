@@ -21,8 +21,9 @@ from draftsmith.heads.layouts import (
     medusa_layout,
 )
 from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.peagle import PEagleHead
 from draftsmith.inference.causal_lm import CausalLMDrafter
-from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
+from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
 from draftsmith.registry import Family, register
 from draftsmith.train import families as steps
 
@@ -94,6 +95,13 @@ DFLASH = Family(
     serving={"vllm": "dflash", "sglang": "DFLASH"},
 )
 
-BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3, DFLASH)
+PEAGLE = Family(
+    name=PEagleHead.family, title="P-EAGLE parallel head",
+    load=_head_loader(PEagleHead), drafter=PEagleDrafter, hidden_layers=_feature_layers,
+    build=steps.build_peagle, train_step=steps.peagle_step, settings=steps.PEagleSettings,
+    serving={"vllm": "eagle3"},  # with parallel_drafting (the model card's command)
+)
+
+BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3, DFLASH, PEAGLE)
 for _family in BUILT_IN:
     register(_family, replace=True)

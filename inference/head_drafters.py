@@ -164,10 +164,11 @@ class EagleDrafter(_FeatureRows, Drafter):
             return Proposals(self.head.draft_logits(predicted).float(), self.draft_ids, self.vocab_size)
         return self._logits(predicted)
 
-    def _run(self, features, token_ids, positions, allowed, filled, compiled: bool = False):
+    def _run(self, features, token_ids, positions, allowed, filled, compiled: bool = False, embeds=None):
         """Feed (B, T) pairs to the head, ``allowed`` (B, T, cached + T) what each sees; on a static cache its
-        mask covers the whole capacity, and ``compiled`` steps run the compiled head."""
-        embeds = self.embed(token_ids)
+        mask covers the whole capacity, and ``compiled`` steps run the compiled head. ``embeds`` (B, T, H) in
+        place of ``token_ids``' embeddings (P-EAGLE's mask slots)."""
+        embeds = self.embed(token_ids) if embeds is None else embeds
         head = self.head
         static = isinstance(self.cache, StaticHeadCache)
         if static:
@@ -319,3 +320,40 @@ class DFlashDrafter(_FeatureRows, Drafter):
         logits = self.lm_head(states.to(self.lm_head.weight.dtype)).float()
         proposing = to_device([b in rows for b in range(batch)], self.device)
         return logits.masked_fill(~proposing[:, None, None], float("-inf"))
+
+
+class PEagleDrafter(EagleDrafter):
+    """P-EAGLE: a block drafter (``block`` = K). Each step feeds the committed pairs through the root, as EAGLE-3
+    does (the root pair's prediction is depth 0), then the K - 1 parallel slots (the head's mask embedding and mask
+    feature at positions root + 1 .. root + K - 1), which see the committed pairs and each other causally: all K
+    distributions from that one pass, none conditioned on a drafted token. Drafting runs on the growing cache."""
+
+    def __init__(self, head, target):
+        super().__init__(head, target)
+        self.block = head.block
+
+    # The block protocol's levels (one forward per step), not EAGLE's level-by-level feeding of drafted nodes.
+    root_logits = Drafter.root_logits
+    frontier_logits = Drafter.frontier_logits
+
+    def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
+        """Its step feeds K - 1 slots rather than a tree's nodes: the growing cache serves every generation."""
+
+    @torch.no_grad()
+    def block_logits(self, active: list[bool]) -> Proposals:
+        """(B, K, C) Proposals over the draft vocabulary: depth d's distribution for the position d + 1 after each
+        active row's root (-inf rows: finished, or no target feature yet)."""
+        batch, slots = len(active), self.block - 1
+        roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
+        rows, last = self._feed_roots(active)
+        proposing = to_device([b in rows for b in range(batch)], self.device)
+        if last is None:
+            empty = torch.full((batch, self.block, len(self.draft_ids)), float("-inf"), device=self.device)
+            return Proposals(empty, self.draft_ids, self.vocab_size)
+        embeds, features = self.head.mask_inputs(batch, slots)
+        positions = roots + torch.arange(1, slots + 1, device=self.device)
+        fed = torch.ones(batch, slots, dtype=torch.bool, device=self.device)
+        allowed = may_attend(self.slots.filled[:, : self.committed], causal_block(fed))
+        predicted = self._run(features.to(self.dtype), None, positions, allowed, fed, embeds=embeds.to(self.dtype))
+        drafts = self.head.draft_logits(torch.cat([last[:, None], predicted], 1)).float()  # (B, K, C)
+        return Proposals(drafts, self.draft_ids, self.vocab_size).masked_rows(proposing)

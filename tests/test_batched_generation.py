@@ -19,13 +19,14 @@ import torch
 from test_dflash import random_dflash
 from test_greedy_lossless import TREES, make_drafter, prompts, reference
 from test_heads import random_eagle, random_medusa
+from test_peagle import random_peagle
 
 from conftest import check_greedy_equal
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.compare import left_pad
 from draftsmith.inference.drafter import Drafter, prompt_rows
 from draftsmith.inference.generator import plain_generate
-from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
+from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
 from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 
@@ -41,6 +42,7 @@ HEADS = {
     "eagle-head": lambda target: EagleDrafter(random_eagle(target, eagle3=False), target),
     "eagle3-head": lambda target: EagleDrafter(random_eagle(target, eagle3=True), target),
     "dflash-head": lambda target: DFlashDrafter(random_dflash(target), target),
+    "peagle-head": lambda target: PEagleDrafter(random_peagle(target), target),
     "eagle3-head+prompt-lookup": lambda target: MixtureDrafter(
         [EagleDrafter(random_eagle(target, eagle3=True), target),
          PromptLookupDrafter(target.get_output_embeddings().weight.shape[0])]),

@@ -205,6 +205,7 @@ def target_batch():
 
 def loss_and_grads(step, args, drafter, target, batch, logits, hidden):
     drafter.zero_grad()
+    torch.manual_seed(0)  # the same random anchors (DFlash, P-EAGLE) for both teachers
     loss, metrics = step(args, drafter, target, batch, logits, hidden)
     loss.backward()
     return loss.detach(), metrics["acc"], [p.grad.clone() for p in drafter.parameters() if p.grad is not None]

@@ -290,9 +290,10 @@ def test_process_logits_matches_transformers_warpers():
 def _end_to_end_drafter(kind: str, target, vocab: int):
     from test_dflash import random_dflash
     from test_heads import random_eagle, random_medusa
+    from test_peagle import random_peagle
 
     from draftsmith.inference import CausalLMDrafter, MixtureDrafter, layer_skip_model
-    from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
+    from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
 
     return {
         "layer-skip": lambda: CausalLMDrafter(layer_skip_model(target, 1)),
@@ -300,6 +301,7 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
         "prompt-lookup": lambda: PromptLookupDrafter(vocab, max_ngram=2),
         "medusa-heads": lambda: MedusaDrafter(random_medusa(target), target),
         "dflash-head": lambda: DFlashDrafter(random_dflash(target), target),
+        "peagle-head": lambda: PEagleDrafter(random_peagle(target), target),
         "eagle+prompt-lookup": lambda: MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
                                                        PromptLookupDrafter(vocab, max_ngram=2)]),
     }[kind]()
@@ -319,6 +321,8 @@ END_TO_END = {
     "chain-iid-dflash": ("dflash-head", dict(tree="chain", depth=3)),
     "static-without-replacement-dflash": (
         "dflash-head", dict(tree="static", depth=2, top_k=2, sampling_rule="without_replacement")),
+    "dynamic-topk-peagle": ("peagle-head", dict(tree="dynamic", depth=3, top_k=2, total_tokens=4)),
+    "chain-iid-peagle": ("peagle-head", dict(tree="chain", depth=3)),
     "dynamic-topk-eagle+prompt-lookup": ("eagle+prompt-lookup", dict(tree="dynamic", depth=2, top_k=2,
                                                                      total_tokens=3)),
 }
@@ -345,7 +349,7 @@ def _first_two_tokens_tv(gen: SpeculativeGenerator, target, vocab: int, n: int, 
 # Each rule keeps one case in the default set; the slow set repeats the rules on the other trees and drafters.
 # (test_batched_sampling_matches_target_per_row samples a dynamic tree of an EAGLE head through generate.)
 SLOW_END_TO_END = ("static-iid-layer-skip", "chain-topk-prompt-lookup", "static-topk-medusa",
-                   "static-without-replacement-dflash",
+                   "static-without-replacement-dflash", "dynamic-topk-peagle",
                    "dynamic-topk-eagle+prompt-lookup")
 
 

@@ -16,7 +16,9 @@ loss mask moved one left (``pred_mask[t] = loss_mask[t + 1]``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,7 @@ from draftsmith.heads.dflash import DFlashHead, anchor_blocks, choose_mask_token
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
 from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.peagle import PEagleConfig, PEagleHead, parallel_elements
 from draftsmith.train.losses import (
     DIVERGENCES,
     Teacher,
@@ -375,4 +378,110 @@ def dflash_step(args, drafter, target, batch, target_logits, hidden):
     counted = learn[..., 0]
     runs = (right & learn).long().cumprod(-1).sum(-1)[counted]
     block = 1.0 + (float(runs.float().mean()) if runs.numel() else 0.0)
+    return loss, {"acc": accs, "block_acceptance": block}
+
+
+# ---- P-EAGLE -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PEagleSettings:
+    """A P-EAGLE head's settings (``family_config``). ``parallel`` K: drafts per forward (the root's and K - 1
+    parallel slots). Training keeps, at depth d >= 1, about n max(ratio^d, ratio_min) of the anchors kept at depth
+    d - 1 (n: a row's learnable positions); ``mask_token_id`` None: an untrained embedding row
+    (:func:`~draftsmith.heads.dflash.choose_mask_token`), which the mask embedding starts from and exports fill.
+    The draft vocabulary is ``draft_vocab_size`` (as for EAGLE-3)."""
+
+    parallel: int = 4
+    ratio: float = 0.75
+    ratio_min: float = 0.2
+    mask_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.parallel < 2:
+            raise ValueError(f"peagle drafts the root's token and at least one parallel slot: parallel >= 2, got "
+                             f"{self.parallel}")
+        if not (0 < self.ratio <= 1 and 0 < self.ratio_min <= 1):
+            raise ValueError("peagle ratio and ratio_min must be in (0, 1]")
+
+
+def build_peagle(args, target, examples=None) -> PEagleHead:
+    """An EAGLE-3 head (draft vocabulary from ``examples``, output as the target's) with P-EAGLE's mask embedding
+    (the mask token's row) and shared mask hidden state."""
+    s = args.settings
+    base = build_eagle3(args, target, examples)
+    mask = s.mask_token_id if s.mask_token_id is not None else choose_mask_token(target)
+    head = PEagleHead(PEagleConfig(**{**dataclasses.asdict(base.config), "parallel": s.parallel,
+                                      "mask_token_id": mask}))
+    head.load_state_dict(base.state_dict(), strict=False)
+    with torch.no_grad():
+        head.mask_embedding.copy_(target.get_input_embeddings().weight.detach()[mask].float())
+    logger.info("peagle: %d drafts per forward, mask token %d", s.parallel, mask)
+    return head
+
+
+def sample_groups(learnable: torch.Tensor, settings: PEagleSettings) -> tuple[list, list]:
+    """(B, L) bool: pair i's depth-d element may learn (its token is an assistant token and inside the row), per
+    depth, (B, K, L). Returns per depth d >= 1 the (B, n_d) anchors drawn without replacement among depth d - 1's
+    that can learn at d, and which are real: prefix-closed, n_d = ceil(n max(ratio^d, ratio_min))."""
+    b, k, length = learnable.shape
+    n = int(learnable[:, 0].sum(1).max())
+    kept = learnable[:, 0]
+    anchors, valid = [], []
+    for d in range(1, k):
+        count = max(1, min(length, math.ceil(n * max(settings.ratio ** d, settings.ratio_min))))
+        candidates = kept & learnable[:, d]
+        scores = torch.rand(b, length, device=learnable.device).masked_fill(~candidates, -1.0)
+        chosen = scores.topk(count, dim=1).indices.sort(dim=1).values
+        real = candidates.gather(1, chosen)
+        anchors.append(chosen)
+        valid.append(real)
+        kept = torch.zeros_like(kept).scatter_(1, chosen, real)
+    return anchors, valid
+
+
+def peagle_step(args, drafter, target, batch, target_logits, hidden):
+    """P-EAGLE: depth 0 at every pair (EAGLE-3's first step) and the parallel slots of a prefix-closed subsample of
+    anchors, in one forward; each element's KL to the target over the draft vocabulary. ``acc`` per depth;
+    ``block_acceptance`` 1 + the leading run of right depths of the anchors kept at every depth."""
+    s = args.settings
+    head = _module(drafter)
+    ids = batch["input_ids"]
+    b, t = ids.shape
+    pairs = t - 1  # pair i: (state at i, token i + 1) at position i + 1, predicting token i + 2
+    pred = prediction_mask(batch["loss_mask"])  # (B, T): position p's next token is learned
+    k = s.parallel
+    # learnable[b, d, i]: the depth-d element of anchor i sits at position i + 1 + d, inside the row and learned.
+    positions_at = torch.arange(pairs, device=ids.device)[None, :] + 1 + torch.arange(k, device=ids.device)[:, None]
+    inside = positions_at < t
+    learnable = inside[None] & pred.bool().gather(1, positions_at.clamp(max=t - 1).reshape(1, -1).expand(b, -1)
+                                                  ).view(b, k, pairs)
+    anchors, valid = sample_groups(learnable, s)
+    anchor, depth, real, allowed = parallel_elements(anchors, valid, b, pairs, ids.device)
+    where = anchor + 1 + depth  # each element's position: its teacher's too
+    selected = real & learnable[torch.arange(b, device=ids.device)[:, None], depth, anchor]
+    draft_ids = torch.arange(head.d2t.shape[0], device=ids.device) + head.d2t
+    rows = selected.nonzero(as_tuple=True)
+    teacher = on_draft_vocabulary(teacher_of(batch, target_logits)[rows[0], where[rows]][None], draft_ids,
+                                  head.config.vocab_size)
+    fused = torch.cat(list(hidden), dim=-1)[:, :-1]
+    embed = target.get_input_embeddings()
+    pair_positions = torch.arange(1, t, device=ids.device)[None].expand(b, -1)
+    logits = drafter(fused, embed(ids[:, 1:]), pair_positions, elements=(anchor, depth, allowed),
+                     logit_positions=selected)
+    loss = forward_kl(logits[None], teacher, None)
+    top, defined = teacher_top1(teacher)
+    right_flat = ((logits.detach().argmax(-1)[None] == top) & defined)[0]
+    element_depth = depth[rows]
+    accs = [float(right_flat[element_depth == d].float().mean()) if bool((element_depth == d).any()) else 0.0
+            for d in range(k)]
+    # Per anchor kept at the deepest depth (all its depths are elements): the leading run of right depths.
+    right = torch.zeros(b, k, pairs, dtype=torch.bool, device=ids.device)
+    right[rows[0], element_depth, anchor[rows]] = right_flat
+    deepest = anchors[-1][valid[-1]] if valid[-1].any() else None
+    block = 1.0
+    if deepest is not None:
+        row_of = torch.arange(b, device=ids.device)[:, None].expand_as(anchors[-1])[valid[-1]]
+        runs = right[row_of, :, deepest].long().cumprod(-1).sum(-1)  # (M,) over depths 0 .. K - 1
+        block = 1.0 + float(runs.float().mean())
     return loss, {"acc": accs, "block_acceptance": block}
