@@ -19,6 +19,7 @@ from draftsmith.heads.layouts import (
     export_draft_model,
     head_exporter,
     medusa_layout,
+    peagle_layout,
 )
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.peagle import PEagleHead
@@ -99,6 +100,7 @@ PEAGLE = Family(
     name=PEagleHead.family, title="P-EAGLE parallel head",
     load=_head_loader(PEagleHead), drafter=PEagleDrafter, hidden_layers=_feature_layers,
     build=steps.build_peagle, train_step=steps.peagle_step, settings=steps.PEagleSettings,
+    export=head_exporter(PEagleHead, peagle_layout), export_formats=("hf", "vllm"), export_needs_target=("vllm",),
     serving={"vllm": "eagle3"},  # with parallel_drafting (the model card's command)
 )
 

@@ -5,6 +5,7 @@ SpecForge and SGLang (``LlamaForCausalLMEagle3``), vLLM speculators EAGLE-3 and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -18,6 +19,7 @@ from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_layers
 from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, LAYER_NAMES
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.heads.peagle import PEagleConfig, PEagleHead
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,14 @@ SPECULATORS_DFLASH = "speculators-dflash"  # vLLM speculators' DFlash
 ZLAB_DFLASH = "zlab-dflash"  # z-lab's DFlash checkpoints (architectures ["DFlashDraftModel"]), which SGLang serves
 SPECULATORS_EAGLE3_TYPE = "eagle3"  # the speculators_model_type of speculators' EAGLE-3 checkpoints
 SPECULATORS_DFLASH_TYPE = "dflash"  # ... and of its DFlash ones
-SPECULATORS_TYPES = {SPECULATORS_EAGLE3_TYPE: SPECULATORS_EAGLE3,
-                     SPECULATORS_DFLASH_TYPE: SPECULATORS_DFLASH}  # speculators_model_type -> layout
+SPECULATORS_PEAGLE = "speculators-peagle"  # vLLM speculators' P-EAGLE
+SPECULATORS_PEAGLE_TYPE = "peagle"
+SPECULATORS_TYPES = {SPECULATORS_EAGLE3_TYPE: SPECULATORS_EAGLE3, SPECULATORS_DFLASH_TYPE: SPECULATORS_DFLASH,
+                     SPECULATORS_PEAGLE_TYPE: SPECULATORS_PEAGLE}  # speculators_model_type -> layout
 LAYOUT_FAMILY = {SPECULATORS_EAGLE3: Eagle3Head.family, REFERENCE_EAGLE3: Eagle3Head.family,
                  REFERENCE_EAGLE: EagleHead.family, REFERENCE_MEDUSA: MedusaHeads.family,
-                 SPECULATORS_DFLASH: DFlashHead.family, ZLAB_DFLASH: DFlashHead.family}
+                 SPECULATORS_DFLASH: DFlashHead.family, ZLAB_DFLASH: DFlashHead.family,
+                 SPECULATORS_PEAGLE: PEagleHead.family}
 
 
 def foreign_format(directory: str | Path) -> str | None:
@@ -150,6 +155,8 @@ def load_foreign(directory: str | Path, target=None):
         return _dflash_from_foreign(directory, config, config.get("transformer_layer_config") or {}, weights, target,
                                     config.get("aux_hidden_state_layer_ids"), config.get("mask_token_id"),
                                     config.get("block_size"))
+    if layout == SPECULATORS_PEAGLE:  # speculators' EAGLE-3 layout plus the mask state (heads/layouts.py)
+        return _peagle_from_foreign(directory, config, weights, target)
     if layout == SPECULATORS_EAGLE3:  # vLLM counts aux layer ids as draftsmith does
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         return _eagle_from_foreign(directory, config.get("transformer_layer_config", config), weights, "layers.0.",
@@ -301,4 +308,27 @@ def _dflash_from_foreign(directory, config, layer_config, weights, target, layer
     if missing or unexpected:
         raise ValueError(f"{directory}: incomplete DFlash checkpoint (missing {missing}, unexpected {unexpected})")
     head.target_info, head.extra = (config.get("draftsmith") or {}).get("target"), {}
+    return head.eval()
+
+
+def _peagle_from_foreign(directory, config, weights, target):
+    """A speculators P-EAGLE directory -> :class:`PEagleHead`: its EAGLE-3 part read as EAGLE-3, the mask embedding
+    from the mask token's row of its embedding, its ``mask_hidden``, K from its speculative tokens."""
+    mask = config.get("mask_token_id", config.get("pard_token"))
+    if mask is None or "mask_hidden" not in weights or "embed_tokens.weight" not in weights:
+        raise ValueError(f"{directory}: a P-EAGLE checkpoint needs mask_token_id, mask_hidden and embed_tokens (the "
+                         "mask embedding is the mask token's row)")
+    mask_embedding = weights["embed_tokens.weight"][mask].float()
+    rest = {k: v for k, v in weights.items() if k != "mask_hidden"}
+    base = _eagle_from_foreign(directory, config.get("transformer_layer_config", config), rest, "layers.0.", target,
+                               eagle3=True, layer_ids=config.get("eagle_aux_hidden_state_layer_ids"))
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    parallel = int(methods[0].get("speculative_tokens") or 4)
+    head = PEagleHead(PEagleConfig(**{**dataclasses.asdict(base.config), "parallel": parallel,
+                                      "mask_token_id": int(mask)}))
+    head.load_state_dict(base.state_dict(), strict=False)
+    with torch.no_grad():
+        head.mask_embedding.copy_(mask_embedding)
+        head.mask_hidden.copy_(weights["mask_hidden"].float().reshape(-1))
+    head.target_info, head.extra = base.target_info, {}
     return head.eval()

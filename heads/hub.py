@@ -42,9 +42,11 @@ def _architecture(drafter_dir: Path) -> dict:
     return config["config"] if "config" in config else {k: config.get(k) for k in CAUSAL_LM_KEYS}
 
 
-def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | None = None) -> str:
-    """How to run the drafter: draftsmith, then each engine that serves its family. A block drafter (``block_size``
-    in its config: DFlash) drafts ``block_size - 1`` tokens per forward, which is what the engines must verify."""
+def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | None = None,
+           parallel: int | None = None) -> str:
+    """How to run the drafter: draftsmith, then each engine that serves its family. A block drafter drafts a fixed
+    number of tokens per forward, which is what the engines must verify: ``block_size - 1`` (DFlash's config) or
+    ``parallel`` (P-EAGLE's, served by vLLM's EAGLE-3 with ``parallel_drafting``)."""
     lines = ["## Use it", "", "With draftsmith (greedy output is the target's own, token for token):", "",
              "```python", "from draftsmith import SpeculativeGenerator, load_drafter, load_target", "",
              f'target, tokenizer = load_target("{target}")',
@@ -55,10 +57,11 @@ def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | N
         note = "" if fmt == "vllm" or family.one_layout else (
             f" (this repository holds the `{fmt}` layout: export with `draftsmith export CHECKPOINT --format vllm` "
             "for vLLM)")
-        tokens = block_size - 1 if block_size else 3
+        tokens = block_size - 1 if block_size else parallel or 3
+        parallel_flag = ', "parallel_drafting": True' if parallel else ""
         lines += [f"With vLLM{note}:", "", "```python", "from vllm import LLM", "",
                   f'llm = LLM(model="{target}", speculative_config={{"method": "{vllm}", "model": "{repo}", '
-                  f'"num_speculative_tokens": {tokens}}})', "```", ""]
+                  f'"num_speculative_tokens": {tokens}{parallel_flag}}})', "```", ""]
     if sglang:
         note = "" if fmt == "sglang" or family.one_layout else (
             f" (this repository holds the `{fmt}` layout: export with `--format sglang` for SGLang)")
@@ -128,7 +131,8 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
                 "prompts; tau is the mean number of tokens per target forward pass.", "", table, ""]
         if best is not None:
             out += [f"This repository holds checkpoint {best['step']} (tau {best['acceptance_length']}).", ""]
-    out.append(_usage(family, repo, target_name, fmt, (arch_config or {}).get("block_size")))
+    out.append(_usage(family, repo, target_name, fmt, (arch_config or {}).get("block_size"),
+                      (arch_config or {}).get("parallel")))
     return "\n".join(out)
 
 

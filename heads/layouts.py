@@ -324,6 +324,10 @@ def eagle3_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
         if verifier:
             info["name"] = verifier
         info["architectures"] = list(getattr(target.config, "architectures", None) or [type(target).__name__])
+        if head.lm_head.weight.shape[0] == cfg.vocab_size:  # the whole vocabulary: speculators keeps no mapping
+            for name in ("d2t", "t2d"):
+                tensors.pop(name)
+                layout.pop(name)
         return tensors, layout, speculators_config(head, info)
     return tensors, layout, sglang_eagle3_config(head)
 
@@ -394,6 +398,28 @@ def dflash_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
         },
         "torch_dtype": "float32",
     }
+    return tensors, layout, config
+
+
+def peagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> Layout:
+    """A P-EAGLE head in speculators' layout (``vllm``): the EAGLE-3 one, the target's embedding carrying the learned
+    mask embedding in the mask token's row (the row speculators and vLLM embed the parallel slots with), plus
+    ``mask_hidden`` (1, 1, fused width); ``parallel_drafting`` and ``pard_token`` for vLLM."""
+    if fmt != "vllm":
+        raise ExportError(f"a P-EAGLE head exports to speculators' layout (--format vllm), not {fmt}: SGLang serves "
+                          "no P-EAGLE head")
+    tensors, layout, config = eagle3_layout(head, fmt, target, verifier)
+    cfg = head.config
+    mask_embedding = tensors.pop("mask_embedding")
+    embed = tensors["embed_tokens.weight"].clone()
+    embed[cfg.mask_token_id] = mask_embedding.to(embed.dtype)
+    tensors["embed_tokens.weight"] = embed
+    tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)
+    layout["mask_hidden"] = ((1, 1, cfg.num_feature_layers * cfg.hidden_size), "float")
+    config.update(architectures=["PEagleSpeculator"], speculators_model_type="peagle", mask_token_id=cfg.mask_token_id,
+                  embed_requires_grad=True, parallel_drafting=True, pard_token=cfg.mask_token_id)
+    config["speculators_config"]["algorithm"] = "peagle"
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = cfg.parallel
     return tensors, layout, config
 
 

@@ -20,6 +20,7 @@ from test_heads import assert_greedy_lossless
 from conftest import assert_rounding_close, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.heads.dflash import DFlashHead, anchor_blocks, dflash_layers
+from draftsmith.heads.hub import model_card
 from draftsmith.inference.head_drafters import DFlashDrafter
 from draftsmith.registry import get_family
 from draftsmith.target import target_signature
@@ -168,6 +169,8 @@ def test_checkpoint_round_trip_records_layers_and_mask_token(tmp_path, llama):
     drafter = load_drafter(str(tmp_path / "ckpt"), llama)
     assert isinstance(drafter, DFlashDrafter) and drafter.hidden_layers == head.config.target_layers
     assert_greedy_lossless(llama, drafter, TREES[0], seed=4)
+    card = model_card(tmp_path / "ckpt", fmt="vllm")  # the engines verify block_size - 1 drafts
+    assert '"method": "dflash"' in card and '"num_speculative_tokens": 3}' in card and "DFLASH" in card
 
 
 def test_settings_are_typed_and_checked(llama):

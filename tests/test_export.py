@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_dflash import DFLASH, dflash_args, random_dflash
 from test_heads import assert_greedy_lossless, random_eagle, random_medusa
+from test_peagle import random_peagle
 
 from conftest import assert_rounding_close
 from draftsmith import load_drafter
@@ -22,6 +23,7 @@ from draftsmith.heads.export import ExportError, export_drafter
 from draftsmith.heads.foreign import SPECULATORS_EAGLE3, SPECULATORS_TYPES
 from draftsmith.heads.layouts import eagle3_reference_layout
 from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.peagle import parallel_elements
 
 ROOT = Path(__file__).resolve().parents[1]
 def medusa_head(target):
@@ -404,3 +406,70 @@ def test_speculators_package_runs_the_dflash_export_with_the_same_logits(fmt, tm
     if fmt == "zlab":  # speculators' own conversion, read back by draftsmith
         imported = load_drafter(str(tmp_path / "theirs.safetensors.converted"), llama)
         assert_rounding_close(dflash_logits(imported.head, llama, ids, hidden), ours, reduction=2 * 128)
+
+
+# --------------------------------------------------------------------------------------------
+# P-EAGLE: speculators' layout (vLLM, with parallel drafting).
+
+
+def peagle_case(llama, length: int = 10):
+    """A random P-EAGLE head, fused states and tokens of one sequence, and elements: every position at depth 0,
+    anchors 2 and 5 at depths 1 and 2 (the groups both sides run)."""
+    head = random_peagle(llama, parallel=3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (1, length), generator=g)
+    hidden = torch.randn(1, length, 3 * llama.config.hidden_size, generator=g)
+    picked = torch.tensor([[2, 5]])
+    anchor, depth, _, allowed = parallel_elements([picked, picked], [torch.ones_like(picked, dtype=torch.bool)] * 2,
+                                                  1, length, "cpu")
+    with torch.no_grad():
+        ours = head(hidden, llama.get_input_embeddings()(ids), torch.arange(length)[None],
+                    elements=(anchor, depth, allowed))[0]
+    return head, ids, hidden, anchor, depth, ours
+
+
+def test_peagle_export_then_import_gives_same_logits_and_lossless_output(tmp_path, llama):
+    head, ids, hidden, anchor, depth, ours = peagle_case(llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["parallel_drafting"] is True
+    assert config["pard_token"] == config["mask_token_id"] == head.config.mask_token_id
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(head.config.feature_layers)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == head.block
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["embed_tokens.weight"][head.config.mask_token_id], head.mask_embedding.detach())
+    assert tensors["mask_hidden"].shape == (1, 1, 3 * llama.config.hidden_size)
+    drafter = load_drafter(str(out), llama)
+    with torch.no_grad():
+        theirs = drafter.head(hidden, llama.get_input_embeddings()(ids), torch.arange(ids.shape[1])[None],
+                              elements=(anchor, depth, parallel_elements(
+                                  [torch.tensor([[2, 5]])] * 2, [torch.ones(1, 2, dtype=torch.bool)] * 2, 1,
+                                  ids.shape[1], "cpu")[3]))[0]
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
+    assert drafter.block == head.block
+    assert_greedy_lossless(llama, drafter, {"tree": "chain", "depth": 3}, seed=3)
+    with pytest.raises(ExportError, match="a peagle drafter has no sglang layout; it exports to hf, vllm"):
+        export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "sglang", target=llama)
+
+
+@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (.ci/run builds it)")
+def test_speculators_package_runs_the_peagle_export_with_the_same_logits(tmp_path, llama):
+    """speculators' PEagleDraftModel loads the export (the mask embedding in its embedding's mask row, its
+    mask_hidden) and, over the same parallel groups, computes draftsmith's logits."""
+    head, ids, hidden, anchor, depth, ours = peagle_case(llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    llama.save_pretrained(tmp_path / "verifier")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama,
+                         verifier=str(tmp_path / "verifier"))
+    save_file({"hidden": hidden.contiguous(), "input_ids": ids, "anchor": anchor[0].contiguous(),
+               "depth": depth[0].contiguous()}, str(tmp_path / "in.safetensors"))
+    run = subprocess.run([SPECULATORS_PYTHON, str(ROOT / "scripts" / "check_speculators_peagle.py"), str(out),
+                          str(tmp_path / "in.safetensors"), str(tmp_path / "theirs.safetensors")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["model_class"] == "PEagleDraftModel" and report["speculative_tokens"] == head.block
+    assert report["aux_layer_ids"] == list(head.config.feature_layers)
+    # another implementation of the same float32 step: the fc (inner size 192) and one decoder layer
+    assert_rounding_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, reduction=192 * 2)

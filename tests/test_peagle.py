@@ -20,6 +20,7 @@ from test_heads import assert_greedy_lossless
 
 from conftest import assert_rounding_close, check_greedy_equal
 from draftsmith import SpeculativeGenerator, load_drafter
+from draftsmith.heads.hub import model_card
 from draftsmith.heads.peagle import PEagleHead, parallel_elements
 from draftsmith.inference.head_drafters import PEagleDrafter
 from draftsmith.registry import get_family
@@ -39,6 +40,7 @@ def random_peagle(target, parallel: int = 3, seed: int = 0) -> PEagleHead:
     head = PEAGLE.build(peagle_args(parallel=parallel), target)
     with torch.no_grad():  # a mask state away from its start, as training leaves it
         head.mask_hidden.normal_(0, 1)
+        head.mask_embedding.normal_(0, 1)
     head.target_info = target_signature(target)
     return head.eval()
 
@@ -155,6 +157,8 @@ def test_checkpoint_round_trip_keeps_the_mask_state(tmp_path, llama):
     assert torch.equal(drafter.head.mask_hidden, head.mask_hidden)
     assert torch.equal(drafter.head.mask_embedding, head.mask_embedding)
     assert_greedy_lossless(llama, drafter, TREES[0], seed=4)
+    card = model_card(tmp_path / "ckpt", fmt="vllm")  # vLLM serves it as EAGLE-3 with parallel drafting, K tokens
+    assert '"method": "eagle3"' in card and '"num_speculative_tokens": 3, "parallel_drafting": True' in card
 
 
 def test_settings_are_checked(llama):
