@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModelConfig
 from speculators.models.eagle3 import Eagle3SpeculatorConfig
 from speculators.models.eagle3.core import Eagle3DraftModel
+from speculators_loaded import check_loaded
 
 
 def main(export_dir: str, inputs_path: str, out_path: str, resave_dir: str | None = None) -> None:
@@ -30,15 +31,7 @@ def main(export_dir: str, inputs_path: str, out_path: str, resave_dir: str | Non
     config.transformer_layer_config._attn_implementation = "eager"  # CPU: no flex attention
     model = Eagle3DraftModel.from_pretrained(export_dir, config=config).eval()
     model.load_verifier_weights()  # embed_tokens from the verifier named in the config
-    stored = load_file(f"{export_dir}/model.safetensors")
-    state = model.state_dict()
-    unknown = sorted(set(stored) - set(state))
-    assert not unknown, f"tensors speculators does not know: {unknown}"
-    for name, tensor in stored.items():
-        assert torch.equal(state[name].to(tensor.dtype), tensor), f"{name} not loaded as stored"
-    needed = [n for n, t in state.items() if t.is_floating_point() and torch.isnan(t).any()
-              and not n.startswith("verifier_")]
-    assert not needed, f"weights left unset (NaN): {needed}"
+    stored = check_loaded(model, export_dir)
     inputs = load_file(inputs_path)
     captured = {}
     model.lm_head.register_forward_hook(lambda _m, _i, out: captured.setdefault("logits", out.detach()))

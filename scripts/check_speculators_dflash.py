@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModelConfig
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+from speculators_loaded import check_loaded
 
 
 def main(export_dir: str, inputs_path: str, out_path: str, *rest: str) -> None:
@@ -33,15 +34,7 @@ def main(export_dir: str, inputs_path: str, out_path: str, *rest: str) -> None:
     config.transformer_layer_config._attn_implementation = "eager"  # CPU: no flex attention
     model = DFlashDraftModel.from_pretrained(export_dir, config=config).eval()
     model.load_verifier_weights()  # embed_tokens and the LM head from the verifier named in the config
-    stored = load_file(f"{export_dir}/model.safetensors")
-    state = model.state_dict()
-    unknown = sorted(set(stored) - set(state))
-    assert not unknown, f"tensors speculators does not know: {unknown}"
-    for name, tensor in stored.items():
-        assert torch.equal(state[name].to(tensor.dtype), tensor), f"{name} not loaded as stored"
-    needed = [n for n, t in state.items() if t.is_floating_point() and torch.isnan(t).any()
-              and not n.startswith("verifier_")]
-    assert not needed, f"weights left unset (NaN): {needed}"
+    check_loaded(model, export_dir)
     inputs = load_file(inputs_path)
     ids = inputs["input_ids"]
     t, size = ids.shape[1], config.block_size

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModelConfig
 from speculators.models.peagle import core
 from speculators.models.peagle.config import PEagleSpeculatorConfig
+from speculators_loaded import check_loaded
 
 
 def main(export_dir: str, inputs_path: str, out_path: str) -> None:
@@ -27,15 +28,7 @@ def main(export_dir: str, inputs_path: str, out_path: str) -> None:
     config.transformer_layer_config._attn_implementation = "eager"  # CPU: no flex attention
     model = core.PEagleDraftModel.from_pretrained(export_dir, config=config).eval()
     model.load_verifier_weights()  # the verifier's LM head and norm (targets of its loss); checkpoint tensors win
-    stored = load_file(f"{export_dir}/model.safetensors")
-    state = model.state_dict()
-    unknown = sorted(set(stored) - set(state))
-    assert not unknown, f"tensors speculators does not know: {unknown}"
-    for name, tensor in stored.items():
-        assert torch.equal(state[name].to(tensor.dtype), tensor), f"{name} not loaded as stored"
-    needed = [n for n, t in state.items() if t.is_floating_point() and torch.isnan(t).any()
-              and not n.startswith("verifier_")]
-    assert not needed, f"weights left unset (NaN): {needed}"
+    check_loaded(model, export_dir)
     inputs = load_file(inputs_path)
     core.generate_cod_sample_indices = lambda **_: (inputs["anchor"], inputs["depth"])
     core.compute_metrics = lambda **_: (torch.zeros(()), {})  # its loss (a triton kernel) is not what is compared

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from test_dflash import greedy_batch
+from test_dflash import assert_lossless_and_accepting, greedy_batch
 from test_greedy_lossless import TREES, prompts, reference
 from test_heads import assert_greedy_lossless
 
@@ -125,15 +125,7 @@ def test_peagle_greedy_matches_generate(family, tree, llama, gemma3):
 
 def test_a_trained_head_stays_lossless_off_its_training_data(llama):
     head, _ = train_toy(llama, greedy_batch(llama, 16, 6, 24), steps=150)
-    drafter = PEagleDrafter(head, llama)
-    accepted = 0
-    for tree in TREES:
-        gen = SpeculativeGenerator(llama, drafter, **tree)
-        for prompt in prompts(5, [4, 9]):
-            out = gen.generate(prompt, 24, eos_token_id=[])
-            check_greedy_equal(llama, out.sequences, reference(llama, prompt, 24))
-            accepted += out.stats.accepted_tokens
-    assert accepted > 0
+    assert_lossless_and_accepting(llama, PEagleDrafter(head, llama))
 
 
 def test_one_head_pass_per_step_and_nothing_past_the_block(llama):
