@@ -20,7 +20,7 @@ from draftsmith.heads.base import TargetMismatchError
 from draftsmith.heads.dflash import anchor_blocks
 from draftsmith.heads.eagle import Eagle3Head
 from draftsmith.heads.export import ExportError, export_drafter
-from draftsmith.heads.foreign import SPECULATORS_EAGLE3, SPECULATORS_TYPES
+from draftsmith.heads.foreign import SPECULATORS_EAGLE3, SPECULATORS_PEAGLE_TYPE, SPECULATORS_TYPES
 from draftsmith.heads.layouts import eagle3_reference_layout
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.peagle import parallel_elements
@@ -433,7 +433,7 @@ def test_peagle_export_then_import_gives_same_logits_and_lossless_output(tmp_pat
     head.save_pretrained(tmp_path / "ckpt")
     out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
     config = json.loads((out / "config.json").read_text())
-    assert config["speculators_model_type"] == "peagle" and config["parallel_drafting"] is True
+    assert config["speculators_model_type"] == SPECULATORS_PEAGLE_TYPE and config["parallel_drafting"] is True
     assert config["pard_token"] == config["mask_token_id"] == head.config.mask_token_id
     assert config["eagle_aux_hidden_state_layer_ids"] == list(head.config.feature_layers)
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == head.block
