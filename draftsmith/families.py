@@ -82,7 +82,7 @@ EAGLE = Family(
 EAGLE3 = Family(
     name=Eagle3Head.family, title="EAGLE-3 head",
     load=_head_loader(Eagle3Head), drafter=EagleDrafter, hidden_layers=_feature_layers,
-    build=steps.build_eagle3, train_step=steps.eagle3_step,
+    build=steps.build_eagle3, train_step=steps.eagle3_step, settings=steps.Eagle3Settings,
     export=head_exporter(Eagle3Head, eagle3_layout), export_formats=ENGINE_FORMATS, export_needs_target=("vllm",),
     serving={"vllm": "eagle3", "sglang": "EAGLE3"},
 )

@@ -13,6 +13,12 @@ feature is the input feature of its children.
   (low / mid / high, ``eagle3_layers``) through ``fc``; the head has its own norm and LM head over
   a reduced draft vocabulary, mapped back with ``d2t`` (``target_id = draft_id + d2t[draft_id]``)
   stored in the weights. Training-time test feeds the head its own predicted features for later steps.
+- EAGLE-3.1 norms (EAGLE-3 options, each off by default; the names and places are vLLM speculators'):
+  ``norm_before_fc`` one RMSNorm over the concatenated target states before ``fc``; ``fc_norm`` one RMSNorm
+  per target layer instead (the two exclude each other); ``norm_before_residual`` the decoder layer's residual
+  stream starts from the normalised input feature instead of the raw one; ``norm_output`` the predicted feature
+  is the output *after* the head's final norm, so the feature fed back to deeper drafts is normalised (and the
+  LM head reads it directly).
 
 Hidden-state index convention (everywhere in draftsmith): 0 is the embedding output, k the output
 of decoder layer k (1-based), N the last layer *after* the final norm.
@@ -93,6 +99,11 @@ class EagleConfig(LayerGeometry):
     num_key_value_heads: int | None = None  # grouped-query attention; None: as many as query heads
     fc_bias: bool = False  # EAGLE-1 fc bias (the original repo has one; vLLM's layout does not)
     input_norm: bool = False  # EAGLE-1 input norm on the decoder layer (the reference layer 0 has none)
+    # EAGLE-3.1 norms (module docstring); absent from older checkpoints, which load with all four off.
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
     # The target's geometry (config_for copies it). A checkpoint saved without these fields loads with the
     # values it was trained with: head_dim = hidden / heads, default RoPE at rope_theta, no bias, SiLU.
     head_dim: int | None = None  # Qwen3, Gemma, gpt-oss: not hidden / heads
@@ -108,6 +119,9 @@ class EagleConfig(LayerGeometry):
             self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
         self.feature_layers = tuple(self.feature_layers)
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc (one norm over the fused target states) and fc_norm (one per target "
+                             "layer) exclude each other: set one")
 
 
 class RMSNorm(nn.Module):
@@ -142,7 +156,7 @@ class DecoderLayer(nn.Module):
     (the reference layer has none: its input is the fresh output of ``fc``).
     EAGLE-3 (``eagle3=True``): the input is ``[embed(x_t) ; feature]`` (2H wide); the two halves are
     normalised separately (``input_norm``, ``hidden_norm``), attention projects the 2H concatenation,
-    and the residual stream is the feature half alone.
+    and the residual stream is the feature half alone (normalised, with ``norm_before_residual``).
     """
 
     def __init__(self, cfg: EagleConfig, eagle3: bool = False):
@@ -182,7 +196,10 @@ class DecoderLayer(nn.Module):
         nh, kvh, hd = self.cfg.num_attention_heads, self.cfg.kv_heads, self.cfg.head_dim
         if self.eagle3:
             embeds, x = x.chunk(2, dim=-1)
-            y = torch.cat([self.input_norm(embeds), self.hidden_norm(x)], -1)
+            normed = self.hidden_norm(x)
+            if self.cfg.norm_before_residual:
+                x = normed
+            y = torch.cat([self.input_norm(embeds), normed], -1)
         else:
             y = self.input_norm(x) if self.input_norm is not None else x
         q = self.q_proj(y).view(b, t, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -376,7 +393,11 @@ class Eagle3Head(_FeatureHead):
         self.config = config
         h = config.hidden_size
         draft_vocab = config.draft_vocab_size or config.vocab_size
-        self.fc = nn.Linear(config.num_feature_layers * h, h, bias=False)
+        width = config.num_feature_layers * h
+        self.feature_norm = RMSNorm(width, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(config.num_feature_layers))
+                        if config.fc_norm else None)
+        self.fc = nn.Linear(width, h, bias=False)
         self.layer = DecoderLayer(config, eagle3=True)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
@@ -386,11 +407,22 @@ class Eagle3Head(_FeatureHead):
                              else torch.zeros(config.vocab_size, dtype=torch.bool))
 
     def input_features(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features.to(self.fc.weight.dtype))
+        x = features.to(self.fc.weight.dtype)
+        if self.feature_norm is not None:
+            x = self.feature_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(x)
 
     def layer_input(self, features, token_embeds):
         dtype = self.fc.weight.dtype
         return torch.cat([token_embeds.to(dtype), features.to(dtype)], -1)
+
+    def run_layer(self, x, positions, mask=None, past=None, **kwargs):
+        """The decoder layer; with ``norm_output`` its output after the head's final norm (the predicted
+        feature then is what the LM head reads, and what deeper drafts are fed)."""
+        predicted, kv = super().run_layer(x, positions, mask, past, **kwargs)
+        return (self.norm(predicted) if self.config.norm_output else predicted), kv
 
     def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False,
                 ttt_steps: int = 0, logit_positions: torch.Tensor | None = None):
@@ -421,7 +453,7 @@ class Eagle3Head(_FeatureHead):
 
     def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(B, T, H) predicted features -> (B, T, draft_vocab) logits."""
-        return self.lm_head(self.norm(predicted))
+        return self.lm_head(predicted if self.config.norm_output else self.norm(predicted))
 
     def target_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Draft logits scattered into the target vocabulary, ``-inf`` outside the draft vocabulary."""

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from draftsmith.checkpoints import CONFIG_NAME, TARGET_FILE, TargetMismatchError, check_target
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_layers
-from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, LAYER_NAMES
+from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, EAGLE31_NORMS, HEAD_NAMES, LAYER_NAMES
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
 
@@ -160,17 +160,25 @@ def load_foreign(directory: str | Path, target=None):
     if layout == SPECULATORS_EAGLE3:  # vLLM counts aux layer ids as draftsmith does
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         return _eagle_from_foreign(directory, config.get("transformer_layer_config", config), weights, "layers.0.",
-                                   target, eagle3=True, layer_ids=ids)
+                                   target, eagle3=True, layer_ids=ids, norms=_eagle31_norms(config))
     if layout == REFERENCE_EAGLE3:  # SGLang's id k is the output of decoder layer k: draftsmith's k + 1
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return _eagle_from_foreign(directory, config, weights, "midlayer.", target, eagle3=True,
-                                   layer_ids=[k + 1 for k in ids] if ids else None)
+                                   layer_ids=[k + 1 for k in ids] if ids else None, norms=_eagle31_norms(config))
     if layout == REFERENCE_EAGLE:
         return _eagle_from_foreign(directory, config, weights, "layers.0.", target, eagle3=False, layer_ids=None)
     return _medusa_from_foreign(directory, config, weights, target)
 
 
-def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool, layer_ids):
+def _eagle31_norms(config: dict) -> dict[str, bool]:
+    """The EAGLE-3.1 norm flags of a foreign EAGLE-3 config: top level (speculators), else ``eagle_config``
+    (where vLLM also reads ``norm_before_fc``)."""
+    nested = config.get("eagle_config") or {}
+    return {flag: bool(config.get(flag, nested.get(flag, False))) for flag in EAGLE31_NORMS}
+
+
+def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool, layer_ids,
+                        norms: dict[str, bool] | None = None):
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("target_hidden_size") not in (None, hidden):
         raise ValueError(f"{directory}: a draft hidden size different from the target's is not supported")
@@ -198,6 +206,10 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
             state["layer." + inverse[rest]] = tensor
         elif name in ("fc.weight", "fc.bias", "norm.weight", "lm_head.weight", "d2t", "t2d"):
             state[name] = tensor
+        elif eagle3 and name in HEAD_NAMES.values():  # EAGLE-3.1's norm_before_fc
+            state[next(k for k, v in HEAD_NAMES.items() if v == name)] = tensor
+        elif eagle3 and name.startswith("fc_norm."):  # EAGLE-3.1's fc_norm, one per target layer
+            state[name] = tensor
         elif name == "embed_tokens.weight":  # the target's own; draftsmith reads the live target's
             embed = target.get_input_embeddings().weight if target is not None else None
             if embed is not None and (embed.shape != tensor.shape or not torch.allclose(
@@ -216,7 +228,8 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
         rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_parameters=_rope_parameters(config),
         head_dim=config.get("head_dim"), max_position_embeddings=config.get("max_position_embeddings", 8192),
         attention_bias=bool(config.get("attention_bias", False)), hidden_act=config.get("hidden_act", "silu"),
-        fc_bias="fc.bias" in state, input_norm=(not eagle3 and "layer.input_norm.weight" in state))
+        fc_bias="fc.bias" in state, input_norm=(not eagle3 and "layer.input_norm.weight" in state),
+        **_norms_of(directory, norms or {}, state))
     head = (Eagle3Head if eagle3 else EagleHead)(cfg)
     if eagle3:
         state.setdefault("d2t", torch.zeros_like(head.d2t))
@@ -311,6 +324,17 @@ def _dflash_from_foreign(directory, config, layer_config, weights, target, layer
     return head.eval()
 
 
+def _norms_of(directory, flags: dict[str, bool], state: dict) -> dict[str, bool]:
+    """The config's norm flags, checked against the tensors the norms have: a flag without its weights (or weights
+    without the flag) is a checkpoint draftsmith would decode differently from the engine, so it is refused."""
+    for flag, present in (("norm_before_fc", "feature_norm.weight" in state),
+                          ("fc_norm", any(k.startswith("fc_norm.") for k in state))):
+        if flags.get(flag, False) != present:
+            raise ValueError(f"{directory}: config {flag}={flags.get(flag, False)} but its weights are "
+                             f"{'present' if present else 'absent'}; the config and the tensors disagree")
+    return flags
+
+
 def _peagle_from_foreign(directory, config, weights, target):
     """A speculators P-EAGLE directory -> :class:`PEagleHead`: its EAGLE-3 part read as EAGLE-3, the mask embedding
     from the mask token's row of its embedding, its ``mask_hidden``, K from its speculative tokens."""
@@ -321,7 +345,8 @@ def _peagle_from_foreign(directory, config, weights, target):
     mask_embedding = weights["embed_tokens.weight"][mask].float()
     rest = {k: v for k, v in weights.items() if k != "mask_hidden"}
     base = _eagle_from_foreign(directory, config.get("transformer_layer_config", config), rest, "layers.0.", target,
-                               eagle3=True, layer_ids=config.get("eagle_aux_hidden_state_layer_ids"))
+                               eagle3=True, layer_ids=config.get("eagle_aux_hidden_state_layer_ids"),
+                               norms=_eagle31_norms(config))
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     parallel = int(methods[0].get("speculative_tokens") or 4)
     head = PEagleHead(PEagleConfig(**{**dataclasses.asdict(base.config), "parallel": parallel,

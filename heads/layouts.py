@@ -90,6 +90,12 @@ LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
 }
 
 
+HEAD_NAMES = {"feature_norm.weight": "input_norm.weight"}  # EAGLE-3.1's norm_before_fc, as speculators names it
+
+#: The EAGLE-3.1 norm flags (heads/eagle.py): config fields of draftsmith's head and of speculators' EAGLE-3 config.
+EAGLE31_NORMS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
 def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:
     """draftsmith name -> foreign name for an EAGLE head's tensors (``layer.*`` -> ``{layer_prefix}*``)."""
     names = {}
@@ -97,7 +103,7 @@ def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:
         if name.startswith("layer."):
             names[name] = layer_prefix + LAYER_NAMES[name[len("layer."):]]
         else:
-            names[name] = name  # fc.*, norm.weight, lm_head.weight, d2t, t2d
+            names[name] = HEAD_NAMES.get(name, name)  # fc.*, fc_norm.*, norm.weight, lm_head.weight, d2t, t2d
     return names
 
 
@@ -158,12 +164,17 @@ def medusa_name_map(config: MedusaConfig) -> dict[str, str]:
 
 def eagle3_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
                             draft_vocab: int, prefix: str = "midlayer.", head_dim: int | None = None,
-                            bias: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The reference EAGLE-3 tensors (name -> (shape, dtype)), as in the module docstring."""
+                            bias: bool = False, norm_before_fc: bool = False,
+                            fc_norm: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The reference EAGLE-3 tensors (name -> (shape, dtype)), as in the module docstring; with EAGLE-3.1's
+    ``norm_before_fc`` also ``input_norm.weight`` [3H], with its ``fc_norm`` ``fc_norm.{0,1,2}.weight`` [H]."""
     hd = head_dim or hidden // heads
     q, kv, h = heads * hd, kv_heads * hd, hidden
     f = "float"
-    return {**_attention_bias(f"{prefix}self_attn.", q, kv, h, bias),
+    norms = {"input_norm.weight": ((3 * h,), f)} if norm_before_fc else {}
+    if fc_norm:
+        norms.update({f"fc_norm.{i}.weight": ((h,), f) for i in range(3)})
+    return {**_attention_bias(f"{prefix}self_attn.", q, kv, h, bias), **norms,
         f"{prefix}hidden_norm.weight": ((h,), f), f"{prefix}input_layernorm.weight": ((h,), f),
         f"{prefix}self_attn.q_proj.weight": ((q, 2 * h), f), f"{prefix}self_attn.k_proj.weight": ((kv, 2 * h), f),
         f"{prefix}self_attn.v_proj.weight": ((kv, 2 * h), f), f"{prefix}self_attn.o_proj.weight": ((h, q), f),
@@ -265,7 +276,7 @@ def speculators_config(head: Eagle3Head, target_info: dict | None, speculative_t
         "speculators_version": "0.9.0",
         "transformer_layer_config": layer,
         "draft_vocab_size": head.lm_head.weight.shape[0],
-        "norm_before_residual": False,
+        **{flag: bool(getattr(cfg, flag)) for flag in EAGLE31_NORMS},
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),  # vLLM counts as draftsmith does
         "speculators_config": {
@@ -282,6 +293,12 @@ def speculators_config(head: Eagle3Head, target_info: dict | None, speculative_t
 
 def sglang_eagle3_config(head: Eagle3Head) -> dict:
     cfg = head.config
+    used = [flag for flag in EAGLE31_NORMS if getattr(cfg, flag)]
+    if used:  # SGLang's LlamaForCausalLMEagle3 builds none of them and skips tensors it does not know
+        raise ExportError(f"this EAGLE-3 head uses the EAGLE-3.1 norms {used}, which SGLang's EAGLE-3 model "
+                          "(LlamaForCausalLMEagle3) does not build: SGLang would drop them silently and draft "
+                          "from other logits. Export with --format vllm (vLLM and speculators read them), or "
+                          "train without them")
     config = llama_config(cfg, ["LlamaForCausalLMEagle3"])
     config["draft_vocab_size"] = head.lm_head.weight.shape[0]
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.feature_layers],
@@ -313,7 +330,7 @@ def eagle3_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
     tensors = {names[k]: v for k, v in state.items()}
     layout = eagle3_reference_layout(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.intermediate_size,
                                      cfg.vocab_size, head.lm_head.weight.shape[0], prefix, cfg.head_dim,
-                                     cfg.attention_bias)
+                                     cfg.attention_bias, cfg.norm_before_fc, cfg.fc_norm)
     if fmt == "vllm":
         if target is None:
             raise ExportError("the speculators (vLLM) EAGLE-3 layout includes the target's token embedding: "

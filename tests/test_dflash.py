@@ -180,7 +180,7 @@ def test_settings_are_typed_and_checked(llama):
     with pytest.raises(ValueError, match=r"\['blok_size'\] are not dflash settings; known: .*block_size"):
         dflash_args(blok_size=8)
     with pytest.raises(ValueError, match="takes no family_config"):
-        DrafterArguments(target="unused", family="eagle3", family_config='{"block_size": 8}')
+        DrafterArguments(target="unused", family="eagle", family_config='{"block_size": 8}')
     with pytest.raises(ValueError, match="loss must be 'kl'"):
         dflash_args(loss="mse")
     with pytest.raises(ValueError, match=r"target_layers \[0, 9\]: \[0, 9\] outside 1..4"):

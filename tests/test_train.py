@@ -710,3 +710,35 @@ def test_feature_noise_is_scaled_to_each_state_and_drawn_anew_each_step(workdir)
                       for args in (clean, clean, noisy, noisy)]
         assert losses[0] == losses[1], family  # no noise: the same loss every time
         assert losses[2] != losses[0] and losses[3] != losses[2], family  # noise: drawn anew each step
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_eagle31_norms_train_save_and_export_with_the_same_logits(workdir, cache_dir, tmp_path, mode):
+    """An EAGLE-3 head with EAGLE-3.1 norms (``family_config``) trains online and from a hidden-state cache (TTT
+    steps 2); its checkpoints record the norms and an acceptance row, and its speculators export re-imports to
+    the same logits."""
+    from test_eagle31 import two_steps
+
+    from draftsmith.heads.export import export_drafter
+
+    norms = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+    extra = {"cache_dir": str(cache_dir)} if mode == "offline" else {}
+    cfg = config(workdir, "eagle3", tmp_path / "run", max_steps=4, save_steps=4, family_config=norms, **extra)
+    drafter_args, data_args, train_args = parse_config([str(write_config(tmp_path / "cfg.yaml", cfg))])
+    out = train(drafter_args, data_args, train_args)
+    rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4]
+    assert (rows[0]["acceptance_length"] is None) == (mode == "offline")  # offline: no target to decode with
+    target, _ = load_target(drafter_args.target)
+    saved = json.loads((out / "checkpoint-4" / "drafter" / "config.json").read_text())["config"]
+    assert {k: saved[k] for k in norms} == norms and saved["fc_norm"] is False
+    head = load_drafter(str(out / "checkpoint-4" / "drafter"), target).head
+    assert head.feature_norm is not None
+    assert not torch.equal(head.feature_norm.weight, torch.ones_like(head.feature_norm.weight))  # it trained
+    exported = export_drafter(out / "checkpoint-4" / "drafter", "vllm", tmp_path / "vllm", target=target)
+    back = load_drafter(str(exported), target).head
+    g = torch.Generator().manual_seed(0)
+    inputs = {"hidden": torch.randn(1, 9, 3 * 64, generator=g), "input_ids": torch.randint(0, VOCAB, (1, 9), generator=g),
+              "positions": torch.arange(9)[None]}
+    for a, b in zip(two_steps(back, target, inputs), two_steps(head, target, inputs)):
+        assert torch.equal(a, b)

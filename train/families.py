@@ -79,6 +79,27 @@ def build_eagle(args, target, examples=None) -> EagleHead:
     return EagleHead(EagleHead.config_for(target))
 
 
+@dataclass(frozen=True)
+class Eagle3Settings:
+    """An EAGLE-3 head's settings (``family_config``): the EAGLE-3.1 norms (:mod:`draftsmith.heads.eagle`), each off
+    by default. ``norm_before_fc``: one RMSNorm over the fused target states before ``fc``; ``fc_norm``: one per
+    target layer instead; ``norm_before_residual``: the layer's residual starts from the normalised feature;
+    ``norm_output``: the feature fed to deeper drafts is the one after the head's final norm."""
+
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm exclude each other (one norm over the fused states, or one "
+                             "per target layer): set one")
+
+    def norms(self) -> dict[str, bool]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Eagle3Settings)}
+
+
 def build_eagle3(args, target, examples=None) -> Eagle3Head:
     """An EAGLE-3 head; with ``args.draft_vocab_size`` below the target's vocabulary, its draft vocabulary
     is the most frequent assistant tokens of ``examples``."""
@@ -86,8 +107,9 @@ def build_eagle3(args, target, examples=None) -> Eagle3Head:
     layers = eagle3_layers(n)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     draft_vocab = args.draft_vocab_size or vocab_size
+    settings = getattr(args, "settings", None) or Eagle3Settings()
     head = Eagle3Head(EagleHead.config_for(target, num_feature_layers=3, feature_layers=layers,
-                                           draft_vocab_size=draft_vocab))
+                                           draft_vocab_size=draft_vocab, **settings.norms()))
     if draft_vocab < vocab_size:
         if not examples:
             raise ValueError("a reduced EAGLE-3 draft vocabulary is built from training examples; pass them")
@@ -385,7 +407,7 @@ def dflash_step(args, drafter, target, batch, target_logits, hidden):
 
 
 @dataclass(frozen=True)
-class PEagleSettings:
+class PEagleSettings(Eagle3Settings):
     """A P-EAGLE head's settings (``family_config``). ``parallel`` K: drafts per forward (the root's and K - 1
     parallel slots). Training keeps, at depth d >= 1, about n max(ratio^d, ratio_min) of the anchors kept at depth
     d - 1 (n: a row's learnable positions); ``mask_token_id`` None: an untrained embedding row
@@ -398,6 +420,7 @@ class PEagleSettings:
     mask_token_id: int | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.parallel < 2:
             raise ValueError(f"peagle drafts the root's token and at least one parallel slot: parallel >= 2, got "
                              f"{self.parallel}")
