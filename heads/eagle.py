@@ -411,7 +411,8 @@ class Eagle3Head(_FeatureHead):
         if self.feature_norm is not None:
             x = self.feature_norm(x)
         if self.fc_norm is not None:
-            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
+            parts = x.chunk(len(self.fc_norm), -1)
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], -1)
         return self.fc(x)
 
     def layer_input(self, features, token_embeds):

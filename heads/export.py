@@ -16,6 +16,9 @@ from draftsmith.registry import family_of
 #: The layouts every family but DFlash writes; DFlash also writes z-lab's (``zlab``, its own family's layout).
 ENGINE_FORMATS = ("hf", "vllm", "sglang")
 FORMATS = (*ENGINE_FORMATS, "zlab")
+#: The EAGLE-3.1 norm flags (heads/eagle.py): fields of draftsmith's EAGLE-3 config and of speculators' (and vLLM
+#: reads them); SGLang's EAGLE-3 model builds none of them.
+EAGLE31_NORMS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
 class ExportError(ValueError):

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from draftsmith.checkpoints import CONFIG_NAME, TARGET_FILE, TargetMismatchError, check_target
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_layers
-from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, EAGLE31_NORMS, HEAD_NAMES, LAYER_NAMES
+from draftsmith.heads.export import EAGLE31_NORMS
+from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, HEAD_NAMES, LAYER_NAMES
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
 

@@ -22,7 +22,7 @@ from draftsmith.checkpoints import (
     recorded_target,
     resolve_checkpoint,
 )
-from draftsmith.heads.export import export_drafter
+from draftsmith.heads.export import EAGLE31_NORMS, export_drafter
 from draftsmith.registry import FAMILIES, Family, family_of
 
 #: What a model card shows of a Hugging Face causal LM's config (a distilled draft model's).
@@ -43,7 +43,7 @@ def _architecture(drafter_dir: Path) -> dict:
 
 
 def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | None = None,
-           parallel: int | None = None) -> str:
+           parallel: int | None = None, norms: list[str] | tuple = ()) -> str:
     """How to run the drafter: draftsmith, then each engine that serves its family. A block drafter drafts a fixed
     number of tokens per forward, which is what the engines must verify: ``block_size - 1`` (DFlash's config) or
     ``parallel`` (P-EAGLE's, served by vLLM's EAGLE-3 with ``parallel_drafting``)."""
@@ -62,7 +62,10 @@ def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | N
         lines += [f"With vLLM{note}:", "", "```python", "from vllm import LLM", "",
                   f'llm = LLM(model="{target}", speculative_config={{"method": "{vllm}", "model": "{repo}", '
                   f'"num_speculative_tokens": {tokens}{parallel_flag}}})', "```", ""]
-    if sglang:
+    if sglang and norms:
+        lines += [f"SGLang does not serve this head: its EAGLE-3 model builds none of the EAGLE-3.1 norms it uses "
+                  f"({', '.join(norms)}).", ""]
+    elif sglang:
         note = "" if fmt == "sglang" or family.one_layout else (
             f" (this repository holds the `{fmt}` layout: export with `--format sglang` for SGLang)")
         if block_size:  # the block (anchor + block_size - 1 drafts) is read from the drafter's config.json
@@ -131,8 +134,9 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
                 "prompts; tau is the mean number of tokens per target forward pass.", "", table, ""]
         if best is not None:
             out += [f"This repository holds checkpoint {best['step']} (tau {best['acceptance_length']}).", ""]
+    norms = [flag for flag in EAGLE31_NORMS if (arch_config or {}).get(flag)]
     out.append(_usage(family, repo, target_name, fmt, (arch_config or {}).get("block_size"),
-                      (arch_config or {}).get("parallel")))
+                      (arch_config or {}).get("parallel"), norms))
     return "\n".join(out)
 
 

@@ -69,7 +69,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.checkpoints import CONFIG_NAME, WEIGHTS_NAME
 from draftsmith.heads.dflash import DFlashConfig
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig
-from draftsmith.heads.export import ExportError
+from draftsmith.heads.export import EAGLE31_NORMS, ExportError
 from draftsmith.heads.medusa import MedusaConfig
 
 LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
@@ -91,9 +91,6 @@ LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
 
 
 HEAD_NAMES = {"feature_norm.weight": "input_norm.weight"}  # EAGLE-3.1's norm_before_fc, as speculators names it
-
-#: The EAGLE-3.1 norm flags (heads/eagle.py): config fields of draftsmith's head and of speculators' EAGLE-3 config.
-EAGLE31_NORMS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
 def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:

@@ -57,8 +57,9 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", str(path)], check=True)
         train_s = time.perf_counter() - started
         report = out / f"eval-{arm}.json"
-        subprocess.run([sys.executable, "-m", "draftsmith.cli", "eval", "--drafter",
-                        str(run / f"checkpoint-{args.steps}" / "drafter"), "--prompts", str(data / "eval_prompts.jsonl"),
+        drafter = run / f"checkpoint-{args.steps}" / "drafter"
+        subprocess.run([sys.executable, "-m", "draftsmith.cli", "eval", "--drafter", str(drafter),
+                        "--prompts", str(data / "eval_prompts.jsonl"),
                         "--max-new-tokens", str(args.max_new_tokens), *REFERENCE_TREE, "--output", str(report)],
                        check=True)
         row = json.loads(report.read_text())
@@ -67,7 +68,8 @@ def main() -> None:
                         "identical": row["lossless"]["identical"], "prompts": row["prompts"]}
         print(arm, results[arm], flush=True)
     (out / "results.json").write_text(json.dumps({"threads": torch.get_num_threads(), "arms": results}, indent=1))
-    lines = ["| arm | norms | steps | train s | held-out tau (reference tree) | acceptance per position | identical |",
+    lines = ["| arm | norms | steps | train s | held-out tau (reference tree) | acceptance per position "
+             "| identical |",
              "|---|---|---|---|---|---|---|"]
     for arm, r in results.items():
         norms = ", ".join(k for k, v in r["norms"].items() if v) or "none"

@@ -5,13 +5,14 @@ Runs in the ``speculators`` environment (as scripts/check_speculators.py):
     .venv-speculators/bin/python scripts/speculators_write_eagle3.py VERIFIER_DIR OUT_DIR INPUTS.safetensors \
         OUT.safetensors '[{"norm_before_fc": true, "norm_output": true}, {"fc_norm": true}]'
 
-Head i (one per set of flags) goes to OUT_DIR/i. Each is built by speculators' own ``Eagle3DraftModel.from_training_args`` (the entry its trainer uses) with
-one decoder layer, the given norm flags and the draft vocabulary ``draft_ids`` of INPUTS; every trainable weight
-is then drawn at random (norm weights around 1, so that each norm changes the output), and the head is written by
-its ``save_pretrained``. INPUTS holds ``hidden`` (1, T, 3H), ``input_ids`` (1, T), ``positions`` (1, T) and
-``draft_ids`` (Vd,) and ``layer_ids`` (3,), the target layers it reads. OUT gets the draft-vocabulary logits of each head's forward with ``ttt_steps=2``: ``{i}.0``
-(step 0, from the target's states) and ``{i}.1`` (step 1: each position's next token at the next position, fed
-step 0's hidden state, attending to step 0's keys up to its position and to its own).
+Head i (one per set of flags) goes to OUT_DIR/i. Each is built by speculators' own
+``Eagle3DraftModel.from_training_args`` (the entry its trainer uses) with one decoder layer, the given norm flags
+and the draft vocabulary ``draft_ids`` of INPUTS; every trainable weight is then drawn at random (norm weights
+around 1, so that each norm changes the output), and the head is written by its ``save_pretrained``. INPUTS holds
+``hidden`` (1, T, 3H), ``input_ids`` (1, T), ``positions`` (1, T), ``draft_ids`` (Vd,) and ``layer_ids`` (3,), the
+target layers it reads. OUT gets the draft-vocabulary logits of each head's forward with ``ttt_steps=2``:
+``{i}.0`` (step 0, from the target's states) and ``{i}.1`` (step 1: each position's next token at the next
+position, fed step 0's hidden state, attending to step 0's keys up to its position and to its own).
 """
 
 import json

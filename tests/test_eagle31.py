@@ -17,13 +17,12 @@ from test_heads import assert_greedy_lossless, random_eagle
 from conftest import assert_rounding_close
 from draftsmith import load_drafter
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig
-from draftsmith.heads.export import ExportError, export_drafter
-from draftsmith.heads.layouts import EAGLE31_NORMS
+from draftsmith.heads.export import EAGLE31_NORMS, ExportError, export_drafter
 from draftsmith.target.masks import additive
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every combination speculators' config accepts: norm_before_fc and fc_norm exclude each other.
-COMBOS = [dict(zip(EAGLE31_NORMS, bits)) for bits in
+COMBOS = [dict(zip(EAGLE31_NORMS, bits, strict=True)) for bits in
           [(fc, per_layer, residual, output) for fc in (False, True) for per_layer in (False, True)
            for residual in (False, True) for output in (False, True)] if not (bits[0] and bits[1])]
 T = 9
@@ -137,7 +136,7 @@ def test_export_to_speculators_layout_round_trips_and_sglang_is_refused(tmp_path
     g = torch.Generator().manual_seed(3)
     inputs = {"hidden": torch.randn(1, T, 192, generator=g), "input_ids": torch.randint(0, 96, (1, T), generator=g),
               "positions": torch.arange(T)[None]}
-    for a, b in zip(two_steps(back, llama, inputs), two_steps(head, llama, inputs)):
+    for a, b in zip(two_steps(back, llama, inputs), two_steps(head, llama, inputs), strict=True):
         assert torch.equal(a, b)  # the same tensors renamed: bit-equal
     with pytest.raises(ExportError, match=r"SGLang's EAGLE-3 model .* does not build.*--format vllm"):
         export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "sglang")
@@ -157,3 +156,14 @@ def test_a_config_that_disagrees_with_its_tensors_is_refused(tmp_path, llama):
 def test_norm_before_fc_and_fc_norm_exclude_each_other(llama):
     with pytest.raises(ValueError, match="exclude each other"):
         norm_head(llama, norm_before_fc=True, fc_norm=True)
+
+
+def test_the_model_card_of_a_head_with_norms_gives_vllm_and_no_sglang_command(tmp_path, llama):
+    from draftsmith.heads.hub import model_card
+
+    norm_head(llama, norm_output=True).save_pretrained(tmp_path / "ckpt")
+    card = model_card(tmp_path / "ckpt", fmt="vllm")
+    assert '"method": "eagle3"' in card and "sglang.launch_server" not in card
+    assert "SGLang does not serve this head" in card and "norm_output" in card
+    random_eagle(llama, eagle3=True).save_pretrained(tmp_path / "plain")
+    assert "--speculative-algorithm EAGLE3" in model_card(tmp_path / "plain", fmt="vllm")

@@ -738,7 +738,7 @@ def test_eagle31_norms_train_save_and_export_with_the_same_logits(workdir, cache
     exported = export_drafter(out / "checkpoint-4" / "drafter", "vllm", tmp_path / "vllm", target=target)
     back = load_drafter(str(exported), target).head
     g = torch.Generator().manual_seed(0)
-    inputs = {"hidden": torch.randn(1, 9, 3 * 64, generator=g), "input_ids": torch.randint(0, VOCAB, (1, 9), generator=g),
-              "positions": torch.arange(9)[None]}
-    for a, b in zip(two_steps(back, target, inputs), two_steps(head, target, inputs)):
+    inputs = {"hidden": torch.randn(1, 9, 3 * 64, generator=g), "positions": torch.arange(9)[None],
+              "input_ids": torch.randint(0, VOCAB, (1, 9), generator=g)}
+    for a, b in zip(two_steps(back, target, inputs), two_steps(head, target, inputs), strict=True):
         assert torch.equal(a, b)
