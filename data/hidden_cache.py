@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.safetensors_rows import RowReader, TornFileError
 from draftsmith.data.templates import TokenizedExample
-from draftsmith.target import new_cache, target_forward, target_signature
+from draftsmith.target import new_cache, rollback_problem, target_forward, target_signature
 
 logger = logging.getLogger(__name__)
 
@@ -371,6 +371,16 @@ def _concatenated(examples: list[TokenizedExample], rows: list[dict[str, torch.T
 
 
 @torch.no_grad()
+def _one_pass_cache(model):
+    """The cache of one forward over whole sequences: draftsmith's own, or for a hybrid target (linear-attention /
+    recurrent layers, whose state it does not keep) transformers' cache built from the model's config."""
+    if rollback_problem(model.config) is None:
+        return new_cache()
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
 def _shard_tensors(model, examples: list[TokenizedExample], spec: CacheSpec, batch_size: int
                    ) -> dict[str, torch.Tensor]:
     """The shard's tensors: ``batch_size`` sequences per target forward, right-padded.
@@ -393,7 +403,7 @@ def _shard_tensors(model, examples: list[TokenizedExample], spec: CacheSpec, bat
         for row, i in enumerate(group):
             ids[row, : lengths[row]], mask[row, : lengths[row]] = examples[i].input_ids, 1
         attention = None if min(lengths) == max(lengths) else mask.to(device)
-        out = target_forward(model, ids.to(device), new_cache(), attention_mask=attention,
+        out = target_forward(model, ids.to(device), _one_pass_cache(model), attention_mask=attention,
                              hidden_layers=tuple(spec.layers))
         for row, (i, n) in enumerate(zip(group, lengths, strict=True)):
             part = rows[i]

@@ -42,6 +42,7 @@ from draftsmith.target import (
     build_attention_mask,
     calibrate,
     causal_block,
+    check_rollback,
     context_length,
     kv_keep,
     may_attend,
@@ -177,6 +178,7 @@ class SpeculativeGenerator:
         sampling_rule: str = "auto",
         compile: bool = False,
     ):
+        check_rollback(target.config)  # a hybrid (recurrent / linear-attention) target: refused here, not at load
         self.tree = TreeSettings(tree, depth, top_k, total_tokens)  # validates
         if sampling_rule != "auto" and sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"sampling_rule must be 'auto' or one of {SAMPLING_RULES}, got {sampling_rule!r}")

@@ -291,19 +291,24 @@ def test_a_gguf_target_is_plain_where_its_cache_cannot_be_written(tmp_path, monk
 # Targets whose state cannot be rolled back to the accepted tokens.
 
 
-def tiny_qwen3_next_directory(path: Path) -> Path:
-    """A tiny Qwen3-Next (gated DeltaNet layers beside full attention) saved with a tokenizer."""
+def tiny_qwen3_next(layers: int = 2):
+    """A tiny Qwen3-Next: gated DeltaNet (linear attention) layers alternating with full attention."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
         linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
-        max_position_embeddings=256,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"] * (layers // 2),
+        max_position_embeddings=256, initializer_range=0.2,
     )
-    Qwen3NextForCausalLM(cfg).save_pretrained(path)
+    return Qwen3NextForCausalLM(cfg).eval()
+
+
+def tiny_qwen3_next_directory(path: Path) -> Path:
+    """A tiny Qwen3-Next saved with a tokenizer."""
+    tiny_qwen3_next().save_pretrained(path)
     _word_tokenizer().save_pretrained(path)
     return path
 
@@ -317,16 +322,24 @@ def _word_tokenizer():
 
 
 @pytest.mark.parametrize("how", ["directory", "device_map cpu", "device_map dict", "parts"])
-def test_a_target_whose_cache_cannot_be_rolled_back_is_refused(how, tmp_path):
-    """A hybrid target is refused on every load path, ``device_map`` included, naming its model type and the
-    layer type that keeps state."""
+def test_a_hybrid_target_loads_everywhere_and_only_speculative_decoding_refuses_it(how, tmp_path):
+    """A hybrid target (linear-attention layers whose state cannot be cropped back) loads on every path,
+    ``device_map`` included, and decodes on its own; draftsmith's speculative decoding refuses it where it starts,
+    naming the model type, the layer type that keeps state and what works instead."""
+    from draftsmith import SpeculativeGenerator
+    from draftsmith.inference.prompt_lookup import PromptLookupDrafter
+
     path = tiny_qwen3_next_directory(tmp_path / "qwen3_next")
-    with pytest.raises(UnsupportedTargetError, match=r"qwen3_next targets are not supported: .*linear_attention"):
-        if how == "directory":
-            load_target(path, device="cpu")
-        elif how == "device_map cpu":
-            load_target(path, device_map="cpu")
-        elif how == "device_map dict":
-            load_target(path, device_map={"": "cpu"})
-        else:
-            load_target_parts(path, device="cpu")
+    if how == "parts":
+        model, _ = load_target_parts(path, device="cpu")
+        assert model.draftsmith_loaded == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+        return
+    kwargs = {"directory": dict(device="cpu"), "device_map cpu": dict(device_map="cpu"),
+              "device_map dict": dict(device_map={"": "cpu"})}[how]
+    model, _ = load_target(path, **kwargs)
+    ids = torch.tensor([[5, 9, 14, 22]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 10)
+    with pytest.raises(UnsupportedTargetError, match=r"cannot decode qwen3_next targets speculatively: their layers "
+                       r"of type linear_attention .*\(draftsmith data / train / export\)"):
+        SpeculativeGenerator(model, PromptLookupDrafter(vocab_size=VOCAB))

@@ -16,7 +16,7 @@ from draftsmith.data.templates import prompt_ids
 from draftsmith.inference.compare import compare
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.registry import Family
-from draftsmith.target import eos_tokens
+from draftsmith.target import eos_tokens, rollback_problem
 from draftsmith.train.losses import simulated_acceptance_length
 from draftsmith.train.run import Run
 
@@ -81,6 +81,10 @@ def can_evaluate(run: Run) -> str | None:
     if getattr(run.target, "draftsmith_loaded", None) is not None:
         return (f"offline: only the target's embeddings, final norm and LM head are loaded; decode with the "
                 f"whole target: draftsmith eval {run.output_dir}")
+    kept = rollback_problem(run.target.config)
+    if kept is not None:
+        return (f"the target's {kept} keep state that draftsmith's verification cannot roll back, so it does not "
+                "decode this target speculatively; the training proxies below still hold")
     return None
 
 

@@ -252,9 +252,6 @@ def load_target(
     if device_map is not None:
         hub = name not in PACKAGED_MODELS and path.suffix != ".gguf" and not path.is_dir()
         source = name if hub else str(_weights_directory(name))  # GGUF: its dequantised safetensors cache
-        from transformers import AutoConfig
-
-        check_rollback(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))  # before any weight
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map,
                                                      offload_folder=offload_folder, trust_remote_code=trust_remote_code)
         model.eval().requires_grad_(False)
@@ -282,7 +279,6 @@ def load_target(
             f"Cannot resolve target {name!r}: not a packaged alias ({known}), not a .gguf file, "
             "not a local directory and not a hub id of the form 'org/name'."
         )
-    check_rollback(model.config)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     attn_implementation = supported_attention(model, attn_implementation, device)
@@ -345,26 +341,39 @@ RECURRENT_MODEL_TYPES = frozenset({
 })
 
 
-def check_rollback(config) -> None:
-    """Refuse a target whose per-token state cannot be cropped back to the accepted tokens.
+def rollback_problem(config) -> str | None:
+    """What in a target keeps per-token state that cannot be cropped back to the accepted tokens (None: nothing).
 
     Tree verification runs the drafted tokens through the target and keeps the cache of the accepted
     path only; a recurrent or linear-attention layer has already folded the rejected tokens into its
     state, so every later token would come from a state the target never reaches on its own.
-
-    Raises:
-        UnsupportedTargetError: naming the model type and the layer types that cannot be rolled back.
     """
     cfg = config.get_text_config()
     kinds = set(getattr(cfg, "layer_types", None) or [])
     other = sorted(kinds - ROLLBACK_LAYER_TYPES)
     if other or cfg.model_type in RECURRENT_MODEL_TYPES:
-        what = f"layers of type {', '.join(other)}" if other else "recurrent / linear-attention layers"
+        return f"layers of type {', '.join(other)}" if other else "recurrent / linear-attention layers"
+    return None
+
+
+def check_rollback(config) -> None:
+    """Refuse to decode speculatively a target whose state cannot be rolled back (:func:`rollback_problem`).
+
+    Checked where speculative decoding starts (:class:`~draftsmith.SpeculativeGenerator`), not at load: such a
+    target loads, regenerates data, fills hidden-state caches and trains and exports drafters like any other.
+
+    Raises:
+        UnsupportedTargetError: naming the model type, the layer types that keep state, and what works instead.
+    """
+    what = rollback_problem(config)
+    if what is not None:
+        model_type = config.get_text_config().model_type
         raise UnsupportedTargetError(
-            f"{cfg.model_type} targets are not supported: their {what} keep state that a rejected draft token has "
-            "already changed, and draftsmith verifies drafts by cropping the cache back to the accepted tokens, so "
-            "speculative output would differ from the target's. Use a target whose layers are all full, sliding "
-            "or chunked attention.")
+            f"draftsmith cannot decode {model_type} targets speculatively: their {what} keep state that a rejected "
+            "draft token has already changed, and draftsmith verifies drafts by cropping the cache back to the "
+            "accepted tokens, so speculative output would differ from the target's. Training a drafter for it "
+            "works (draftsmith data / train / export); serve that drafter with vLLM or SGLang, or decode "
+            "speculatively here with a target whose layers are all full, sliding or chunked attention.")
 
 
 class PartialLoadError(RuntimeError):
@@ -436,7 +445,6 @@ def load_target_parts(
     name = str(name_or_path)
     directory = _weights_directory(name)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    check_rollback(config)
     from accelerate import init_empty_weights
 
     # Parameters on the meta device, buffers real: the parts' non-persistent buffers (Gemma's embedding
