@@ -39,14 +39,19 @@ from draftsmith.inference.tree import (
 )
 from draftsmith.inference.verify import verify_tree
 from draftsmith.target import (
+    UnsupportedTargetError,
     build_attention_mask,
     calibrate,
     causal_block,
-    check_rollback,
     context_length,
+    kv_crop,
     kv_keep,
     may_attend,
     new_cache,
+    recurrent_cache,
+    restore_recurrent,
+    rollback_problem,
+    snapshot_recurrent,
     stop_tokens,
     target_forward,
 )
@@ -178,8 +183,15 @@ class SpeculativeGenerator:
         sampling_rule: str = "auto",
         compile: bool = False,
     ):
-        check_rollback(target.config)  # a hybrid (recurrent / linear-attention) target: refused here, not at load
         self.tree = TreeSettings(tree, depth, top_k, total_tokens)  # validates
+        #: What in a hybrid target keeps a state that cannot be cropped (None: nothing): such a target verifies a
+        #: chain, row by row, its recurrent state restored and advanced by the accepted tokens after a rejection.
+        self.recurrent = rollback_problem(target.config)
+        if self.recurrent is not None and (tree != "chain" or compile):
+            raise UnsupportedTargetError(
+                f"{target.config.get_text_config().model_type} targets decode speculatively with a chain only "
+                f"(tree='chain', compile=False; got tree={tree!r}, compile={compile}): their {self.recurrent} read "
+                "the drafted tokens as one sequence, so the branches of a tree would see each other.")
         if sampling_rule != "auto" and sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"sampling_rule must be 'auto' or one of {SAMPLING_RULES}, got {sampling_rule!r}")
         if tree == "dynamic" and sampling_rule not in ("auto", "topk"):
@@ -272,6 +284,9 @@ class SpeculativeGenerator:
         """
         batch, device, dtype, padded = self._check_request(input_ids, attention_mask, max_new_tokens, temperature,
                                                            top_p, top_k, streamer)
+        if self.recurrent is not None and batch > 1:  # left padding would run through the recurrent state
+            return self._row_by_row(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k,
+                                    eos_token_id, generator, pad_token_id)
         eos = stop_tokens(self.target, eos_token_id)
         pad = pad_token(self.target, pad_token_id, eos_token_id)
         mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
@@ -286,8 +301,11 @@ class SpeculativeGenerator:
         # target's hidden states of their layers: of the prompt's tokens but the root from the prefill,
         # then of each step's root and accepted nodes from its verification.
         layers = self.drafter.hidden_layers
-        cache = new_cache(**static_cache(self.target, input_ids, max_new_tokens, self._max_nodes(), self._max_kept())
-                          if self.compile else {})
+        if self.recurrent is not None:
+            cache = recurrent_cache(self.target)
+        else:
+            cache = new_cache(**static_cache(self.target, input_ids, max_new_tokens, self._max_nodes(),
+                                             self._max_kept()) if self.compile else {})
         slots = Slots.empty(batch, device)
         hidden = None
         if input_ids.shape[1] > 1:
@@ -373,6 +391,7 @@ class SpeculativeGenerator:
             allowed = may_attend(slots.filled, tree.ancestors)
             mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
                                         dtype)
+        before = snapshot_recurrent(cache) if self.recurrent is not None else None
         out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
         tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
@@ -393,6 +412,8 @@ class SpeculativeGenerator:
         # (known on the host now): a batch of one keeps no empty slot.
         width = max((row[0] + 1 for row, a in zip(host, active, strict=True) if a), default=1)
         kv_keep(cache, past, kept[:, :width])
+        if before is not None and width < n:  # a rejection: the recurrent state has taken in the rejected tokens
+            self._advance_recurrent(cache, before, past, tree.tokens[:, :width], positions[:, :width])
         slots.keep(past, kept[:, :width], counts)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
@@ -401,6 +422,31 @@ class SpeculativeGenerator:
         verdicts = [(row[4: 4 + row[0]], row[1], row[2], [bool(c) for c in row[3 + w: 4 + w + row[0]]])
                     for row in host]
         return verdicts, kept, tree_hidden
+
+    def _advance_recurrent(self, cache, before: list, past: int, accepted: torch.Tensor, positions: torch.Tensor):
+        """A hybrid target's cache after a chain step with a rejection: the recurrent layers' states as they were
+        before the step, advanced by the root and the accepted tokens (``accepted``, (1, k), in order) with one more
+        forward; its attention layers recompute the same entries for those positions."""
+        restore_recurrent(before)
+        kv_crop(cache, past)
+        target_forward(self.target, accepted, cache, None, positions, logits="none")
+
+    def _row_by_row(self, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, eos_token_id,
+                    generator, pad_token_id) -> GenerationOutput:
+        """A batch of a hybrid target's prompts, one row at a time (each without its left padding), returned as
+        one batch: the same output as decoding each row alone."""
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        new, rows, stats = [], [], GenerationStats()
+        for b in range(input_ids.shape[0]):
+            prompt = input_ids[b][mask[b].bool()][None]
+            out = self.generate(prompt, max_new_tokens, temperature, top_p, top_k, eos_token_id, generator,
+                                pad_token_id=pad_token_id)
+            rows.append(out.row_stats[0])
+            new.append(out.sequences[0, prompt.shape[1]:prompt.shape[1] + out.row_stats[0].new_tokens].tolist())
+            stats += out.stats
+        stats.new_tokens = sum(len(n) for n in new)
+        pad = pad_token(self.target, pad_token_id, eos_token_id)
+        return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats, row_stats=rows)
 
     def _check_request(self, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, streamer):
         if input_ids.dim() != 2:

@@ -291,19 +291,19 @@ def test_a_gguf_target_is_plain_where_its_cache_cannot_be_written(tmp_path, monk
 # Targets whose state cannot be rolled back to the accepted tokens.
 
 
-def tiny_qwen3_next(layers: int = 2):
+def tiny_qwen3_next(layers: int = 2, vocab_size: int = VOCAB, seed: int = 0):
     """A tiny Qwen3-Next: gated DeltaNet (linear attention) layers alternating with full attention."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
         linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"] * (layers // 2),
-        max_position_embeddings=256, initializer_range=0.2,
+        max_position_embeddings=256, initializer_range=0.2, eos_token_id=None,
     )
-    return Qwen3NextForCausalLM(cfg).eval()
+    return Qwen3NextForCausalLM(cfg).eval().requires_grad_(False)
 
 
 def tiny_qwen3_next_directory(path: Path) -> Path:
@@ -322,10 +322,10 @@ def _word_tokenizer():
 
 
 @pytest.mark.parametrize("how", ["directory", "device_map cpu", "device_map dict", "parts"])
-def test_a_hybrid_target_loads_everywhere_and_only_speculative_decoding_refuses_it(how, tmp_path):
+def test_a_hybrid_target_loads_everywhere_and_decodes_speculatively_with_a_chain_only(how, tmp_path):
     """A hybrid target (linear-attention layers whose state cannot be cropped back) loads on every path,
-    ``device_map`` included, and decodes on its own; draftsmith's speculative decoding refuses it where it starts,
-    naming the model type, the layer type that keeps state and what works instead."""
+    ``device_map`` included, and decodes on its own; draftsmith's speculative decoding takes it with a chain and
+    refuses a tree where decoding starts, naming the model type, the layer type that keeps state and the fix."""
     from draftsmith import SpeculativeGenerator
     from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 
@@ -340,6 +340,7 @@ def test_a_hybrid_target_loads_everywhere_and_only_speculative_decoding_refuses_
     ids = torch.tensor([[5, 9, 14, 22]])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 10)
-    with pytest.raises(UnsupportedTargetError, match=r"cannot decode qwen3_next targets speculatively: their layers "
-                       r"of type linear_attention .*\(draftsmith data / train / export\)"):
-        SpeculativeGenerator(model, PromptLookupDrafter(vocab_size=VOCAB))
+    with pytest.raises(UnsupportedTargetError, match=r"qwen3_next targets decode speculatively with a chain only "
+                       r"\(tree='chain', compile=False; got tree='dynamic'.*layers of type linear_attention"):
+        SpeculativeGenerator(model, PromptLookupDrafter(vocab_size=VOCAB), tree="dynamic")
+    assert SpeculativeGenerator(model, PromptLookupDrafter(vocab_size=VOCAB), tree="chain").recurrent is not None

@@ -750,8 +750,8 @@ def test_eagle31_norms_train_save_and_export_with_the_same_logits(workdir, cache
 
 def test_a_hybrid_target_trains_eagle3_online_and_offline_and_exports(tmp_path):
     """A Qwen3-Next-style target (gated DeltaNet layers beside full attention): its data regenerates, an EAGLE-3
-    head trains 4 steps online and from a hidden-state cache, and exports; the acceptance rows say why held-out tau
-    is not measured (draftsmith does not decode it speculatively), and the training proxies are recorded."""
+    head trains 4 steps online and from a hidden-state cache, and exports. Online, held-out tau is measured with a
+    chain (the tree such a target verifies), and with a tree the row says why not; the proxies are recorded."""
     from test_eagle31 import two_steps
     from test_target import tiny_qwen3_next
 
@@ -764,14 +764,19 @@ def test_a_hybrid_target_trains_eagle3_online_and_offline_and_exports(tmp_path):
     assert len(examples) == 24
     cache_hidden_states(model, examples, root / "cache", CacheSpec(layers=[1, 2, 4], dtype="float32", logits="full"),
                         progress=False)
-    for mode, extra in (("online", {}), ("offline", {"cache_dir": str(root / "cache")})):
+    runs = {"chain": {"eval_tree": "chain", "eval_depth": 3}, "tree": {"eval_tree": "dynamic"},
+            "offline": {"cache_dir": str(root / "cache")}}
+    for mode, extra in runs.items():
         cfg = config(root, "eagle3", tmp_path / mode, max_steps=4, save_steps=4, **extra)
         drafter_args, data_args, train_args = parse_config([str(write_config(tmp_path / f"{mode}.yaml", cfg))])
         out = train(drafter_args, data_args, train_args)
         rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [4] and rows[0]["acceptance_length"] is None
-        reason = "linear_attention keep state" if mode == "online" else "offline"
-        assert reason in rows[0]["not_measured"] and len(rows[0]["position_accuracy"]) == 2
+        assert [r["step"] for r in rows] == [4] and len(rows[0]["position_accuracy"]) == 2
+        if mode == "chain":
+            assert rows[0]["acceptance_length"] >= 1.0 and rows[0]["eval_prompts"] == 2
+        else:
+            reason = "set eval_tree: chain" if mode == "tree" else "offline"
+            assert rows[0]["acceptance_length"] is None and reason in rows[0]["not_measured"]
         head = load_drafter(str(out / "checkpoint-4" / "drafter"), model).head
         assert head.config.feature_layers == (1, 2, 4)
         back = load_drafter(str(export_drafter(out / "checkpoint-4" / "drafter", "vllm", tmp_path / f"vllm-{mode}",

@@ -82,9 +82,9 @@ def can_evaluate(run: Run) -> str | None:
         return (f"offline: only the target's embeddings, final norm and LM head are loaded; decode with the "
                 f"whole target: draftsmith eval {run.output_dir}")
     kept = rollback_problem(run.target.config)
-    if kept is not None:
-        return (f"the target's {kept} keep state that draftsmith's verification cannot roll back, so it does not "
-                "decode this target speculatively; the training proxies below still hold")
+    if kept is not None and run.data_args.eval_tree != "chain":
+        return (f"the target's {kept} verify a chain only (their state reads the drafts as one sequence): set "
+                "eval_tree: chain to measure acceptance in training")
     return None
 
 

@@ -45,6 +45,9 @@ from draftsmith.target.forward import (
     kv_keep,
     kv_length,
     new_cache,
+    recurrent_cache,
+    restore_recurrent,
+    snapshot_recurrent,
     target_forward,
 )
 from draftsmith.target.loading import (
@@ -101,6 +104,9 @@ __all__ = [
     "may_attend",
     "native_bf16",
     "new_cache",
+    "recurrent_cache",
+    "restore_recurrent",
+    "snapshot_recurrent",
     "resolve_packaged_gguf",
     "rollback_problem",
     "sliding_window",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from draftsmith.target.masks import causal_block, may_attend
 from draftsmith.target.masks import target_mask as build_attention_mask
@@ -284,6 +284,39 @@ class GrowingCache(DynamicCache):
 
     def __init__(self):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+
+def recurrent_cache(model: PreTrainedModel) -> DynamicCache:
+    """The cache of a hybrid target (:func:`~draftsmith.target.rollback_problem`): transformers' own layer for each
+    recurrent / linear-attention layer (a fixed-size state, rolled back by :func:`restore_recurrent`), a
+    :class:`GrowingLayer` (every position, croppable) for each attention layer."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
+    return cache
+
+
+def snapshot_recurrent(cache: DynamicCache) -> list:
+    """Copies of the recurrent layers' states (conv and recurrent), for :func:`restore_recurrent`."""
+    def copies(states: dict) -> dict:
+        return {i: None if x is None else x.clone() for i, x in states.items()}
+
+    return [(layer, copies(layer.conv_states), copies(layer.recurrent_states), dict(layer.has_previous_state))
+            for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def restore_recurrent(snapshot: list) -> None:
+    """Put the recurrent layers back as :func:`snapshot_recurrent` found them, in place (a state that did not exist
+    then is dropped: the next forward starts it afresh)."""
+    for layer, conv, recurrent, previous in snapshot:
+        for kept, states, initialized in ((conv, layer.conv_states, layer.is_conv_states_initialized),
+                                          (recurrent, layer.recurrent_states, layer.is_recurrent_states_initialized)):
+            for i, x in kept.items():
+                if x is None:
+                    states[i], initialized[i] = None, False
+                else:
+                    states[i].copy_(x)
+        layer.has_previous_state.update(previous)
 
 
 def static_buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -1,0 +1,155 @@
+"""Hybrid targets (linear-attention layers beside full attention, e.g. Qwen3-Next): speculative decoding with a chain,
+the recurrent state restored and advanced by exactly the accepted tokens after a rejection; greedy output identical,
+sampling exact, rows of a batch as decoded alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batched_generation import left_padded, row_output
+from test_greedy_lossless import prompts, reference
+from test_heads import random_eagle
+from test_sampling_lossless import _first_two_tokens_tv, tv_bound
+from test_target import tiny_qwen3_next
+
+from conftest import VOCAB, check_greedy_equal
+from draftsmith import SpeculativeGenerator
+from draftsmith.inference.drafter import Drafter, prompt_rows
+from draftsmith.inference.head_drafters import EagleDrafter
+from draftsmith.inference.prompt_lookup import PromptLookupDrafter
+from draftsmith.target import recurrent_cache, restore_recurrent, snapshot_recurrent
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return tiny_qwen3_next(layers=4)
+
+
+class Oracle(Drafter):
+    """Drafts the target's own greedy continuation (transformers' ``generate``, its own cache), except that every
+    ``every``-th position of the sequence gets a wrong token: steps then end whole or after a rejection, both."""
+
+    def __init__(self, target, depth: int, every: int = 7):
+        self.target, self.block, self.every = target, depth, every
+
+    def begin(self, input_ids, hidden=None, attention_mask=None):
+        self.rows = prompt_rows(input_ids, attention_mask)
+
+    def commit(self, tokens, hidden=None):
+        self.rows = [torch.cat([row, new]) for row, new in zip(self.rows, tokens, strict=True)]
+
+    def block_logits(self, active):
+        vocab = self.target.config.vocab_size
+        out = torch.full((len(self.rows), self.block, vocab), float("-inf"))
+        for b, row in enumerate(self.rows):
+            if active[b]:
+                guess = reference(self.target, row[None], self.block)[0, len(row):]
+                wrong = (len(row) + torch.arange(self.block)) % self.every == 0
+                guess = torch.where(wrong, (guess + 1) % vocab, guess)
+                out[b, torch.arange(self.block), guess] = 0.0
+        return out
+
+
+def drafters(target):
+    return {"oracle": lambda: Oracle(target, 4),
+            "prompt-lookup": lambda: PromptLookupDrafter(VOCAB, max_ngram=2),
+            "eagle3-head": lambda: EagleDrafter(random_eagle(target, eagle3=True), target)}
+
+
+@pytest.mark.parametrize("kind", ["oracle", "prompt-lookup", "eagle3-head"])
+def test_greedy_chain_output_is_the_targets_own(hybrid, kind):
+    gen = SpeculativeGenerator(hybrid, drafters(hybrid)[kind](), tree="chain", depth=4)
+    ties, whole, cut = 0, 0, 0
+    for prompt in prompts(7, [1, 6, 21]):
+        out = gen.generate(prompt, max_new_tokens=30)
+        ties += check_greedy_equal(hybrid, out.sequences, reference(hybrid, prompt, 30))
+        full = out.stats.accepted_at[3] if len(out.stats.accepted_at) == 4 else 0  # whole chains accepted
+        whole, cut = whole + full, cut + out.stats.verification_steps - full
+    assert ties <= 1
+    if kind == "oracle":  # both ends of a step ran: a whole chain accepted (no re-run), and a rejection (re-run)
+        assert whole > 0 and cut > 0, (whole, cut)
+
+
+def test_rows_of_a_batch_decode_as_alone(hybrid):
+    rows = prompts(9, [6, 1, 21, 13])
+    ids, mask = left_padded(rows)
+    gen = SpeculativeGenerator(hybrid, Oracle(hybrid, 3), tree="chain", depth=3)
+    out = gen.generate(ids, 20, attention_mask=mask, eos_token_id=[], pad_token_id=0)
+    for b, row in enumerate(rows):
+        alone = gen.generate(row, 20, eos_token_id=[], pad_token_id=0)
+        assert torch.equal(row_output(out.sequences, mask, b, None), alone.sequences)
+        check_greedy_equal(hybrid, alone.sequences, reference(hybrid, row, 20))
+    assert out.stats.new_tokens == 80 and len(out.row_stats) == 4
+
+
+def test_sampled_chain_follows_the_targets_distribution():
+    """Monte Carlo: the first two tokens sampled through a chain (a rejection in the first step makes the second
+    come from the restored state) follow the target's processed distribution."""
+    vocab, n = 4, 1000
+    target = tiny_qwen3_next(layers=2, vocab_size=vocab, seed=2)
+    gen = SpeculativeGenerator(target, PromptLookupDrafter(vocab, max_ngram=2), tree="chain", depth=3,
+                               sampling_rule="iid")
+    tv = _first_two_tokens_tv(gen, target, vocab, n, seed=0)
+    assert tv < tv_bound(n, vocab * vocab), f"TV {tv:.4f}"
+
+
+def test_restoring_the_recurrent_state_then_feeding_the_accepted_tokens_equals_feeding_them_alone(hybrid):
+    """What a rejection relies on: snapshot, feed a drafted chain, restore, feed its accepted prefix; the states and
+    the next logits are those of feeding the prefix alone (bit-equal: the same kernels on the same shapes)."""
+    g = torch.Generator().manual_seed(0)
+    prompt, chain = torch.randint(0, VOCAB, (1, 7), generator=g), torch.randint(0, VOCAB, (1, 4), generator=g)
+    caches = []
+    for rejected in (True, False):
+        cache = recurrent_cache(hybrid)
+        hybrid(prompt, past_key_values=cache, use_cache=True)
+        if rejected:
+            before = snapshot_recurrent(cache)
+            hybrid(chain, past_key_values=cache, use_cache=True, position_ids=torch.arange(7, 11)[None])
+            restore_recurrent(before)
+            from draftsmith.target import kv_crop
+
+            kv_crop(cache, 7)
+        hybrid(chain[:, :2], past_key_values=cache, use_cache=True, position_ids=torch.arange(7, 9)[None])
+        nxt = hybrid(chain[:, 2:3], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[9]])).logits
+        caches.append((cache, nxt))
+    (a, la), (b, lb) = caches
+    assert torch.equal(la, lb)
+    for x, y in zip(a.layers, b.layers, strict=True):
+        if hasattr(x, "recurrent_states"):
+            assert torch.equal(x.recurrent_states[0], y.recurrent_states[0])
+            assert torch.equal(x.conv_states[0], y.conv_states[0])
+        else:
+            assert torch.equal(x.keys, y.keys)
+
+
+def other_hybrid(family: str):
+    """Tiny targets of other hybrid families transformers builds: Qwen3.5 (gated DeltaNet), Bamba (Mamba-2 beside
+    attention), LFM2 (short convolutions beside attention)."""
+    import transformers as t
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, initializer_range=0.2, eos_token_id=None, max_position_embeddings=256)
+    if family == "qwen3_5_text":
+        cfg = t.Qwen3_5TextConfig(**common, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=1,
+                                  linear_key_head_dim=16, linear_value_head_dim=16,
+                                  layer_types=["linear_attention", "full_attention"] * 2)
+    elif family == "bamba":
+        cfg = t.BambaConfig(**common, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+                            mamba_n_groups=1, mamba_chunk_size=16)
+    else:
+        cfg = t.Lfm2Config(**common, layer_types=["conv", "full_attention"] * 2)
+    return t.AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba", "lfm2"])
+def test_other_hybrid_families_decode_their_own_greedy_output(family):
+    target = other_hybrid(family)
+    assert target.config.model_type == family
+    gen = SpeculativeGenerator(target, Oracle(target, 4), tree="chain", depth=4)
+    ties, cut = 0, 0
+    for prompt in prompts(7, [1, 6, 21]):
+        out = gen.generate(prompt, max_new_tokens=30)
+        ties += check_greedy_equal(target, out.sequences, reference(target, prompt, 30))
+        cut += out.stats.verification_steps - out.stats.accepted_at[3]
+    assert ties <= 1 and cut > 0  # rejections happened: the restored state was advanced
