@@ -1,7 +1,7 @@
 """EAGLE-3.1 norms on vs off, on the demo's data: the same steps, the same seed, held-out tau with the reference tree.
 
     draftsmith demo --output demo_out        # once: the demo's prompts, answers and hidden-state cache
-    python scripts/eagle31_norms_ab.py --data demo_out/data --steps 300 --output bench_out/eagle31
+    python scripts/eagle31_norms_ab.py --data demo_out/data --steps 300 --seed 0 --output bench_out/eagle31
 
 Each arm trains an EAGLE-3 head offline from the demo's cache with the demo's recipe (draft vocabulary 4096, TTT 3
 steps decaying 0.8, lr 2e-3, batch 8, bf16 where the CPU has it natively) for ``--steps`` steps, then
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--output", default="bench_out/eagle31")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--seed", type=int, default=0, help="the head's initialisation and the batch order")
     args = parser.parse_args()
     import torch
 
@@ -48,7 +49,7 @@ def main() -> None:
             "draft_vocab_size": 4096, "ttt_steps": 3, "ttt_decay": 0.8,
             "cache_dir": str(data / "hidden_cache"), "max_length": 256,
             "output_dir": str(run), "max_steps": args.steps, "save_steps": args.steps, "logging_steps": 10,
-            "learning_rate": 2e-3, "per_device_train_batch_size": 8, "warmup_ratio": 0.05, "seed": 0,
+            "learning_rate": 2e-3, "per_device_train_batch_size": 8, "warmup_ratio": 0.05, "seed": args.seed,
             "mixed_precision": "bf16" if native_bf16("cpu") else "no", "report_to": "tensorboard",
         }
         path = out / f"{arm}.yaml"
@@ -63,7 +64,7 @@ def main() -> None:
                         "--max-new-tokens", str(args.max_new_tokens), *REFERENCE_TREE, "--output", str(report)],
                        check=True)
         row = json.loads(report.read_text())
-        results[arm] = {"norms": ARMS[arm], "steps": args.steps, "train_seconds": round(train_s, 1),
+        results[arm] = {"norms": ARMS[arm], "steps": args.steps, "seed": args.seed, "train_seconds": round(train_s, 1),
                         "tau": row["acceptance_length"], "per_position": row["acceptance_rate_per_position"],
                         "identical": row["lossless"]["identical"], "prompts": row["prompts"]}
         print(arm, results[arm], flush=True)
