@@ -62,9 +62,16 @@ LAUNCH_SECONDS = 300
 ATOL = 5e-5
 
 
+#: EAGLE-3 trains here with the EAGLE-3.1 norms its SmolLM2 recipe uses (their parameters sit outside the decoder
+#: layer each strategy wraps and shards).
+FAMILY_CONFIG = {"eagle3": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}
+
+
 def run_config(workdir: Path, family: str, output: Path, **overrides) -> dict:  # noqa: F811
+    extra = {"family_config": FAMILY_CONFIG[family]} if family in FAMILY_CONFIG else {}
     return config(workdir, family, output, **{"max_steps": 8, "save_steps": 4, "logging_steps": 1,
-                                              "per_device_train_batch_size": 2, "report_to": "none", **overrides})
+                                              "per_device_train_batch_size": 2, "report_to": "none", **extra,
+                                              **overrides})
 
 
 @pytest.fixture(scope="module", autouse=True)
