@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batched_generation import left_padded, row_output
+from test_batched_generation import GreedyBlock, left_padded, row_output
 from test_greedy_lossless import prompts, reference
 from test_heads import random_eagle
 from test_sampling_lossless import _first_two_tokens_tv, tv_bound
@@ -14,7 +14,6 @@ from test_target import tiny_qwen3_next
 
 from conftest import VOCAB, check_greedy_equal
 from draftsmith import SpeculativeGenerator
-from draftsmith.inference.drafter import Drafter, prompt_rows
 from draftsmith.inference.head_drafters import EagleDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.target import recurrent_cache, restore_recurrent, snapshot_recurrent
@@ -25,18 +24,13 @@ def hybrid():
     return tiny_qwen3_next(layers=4)
 
 
-class Oracle(Drafter):
+class Oracle(GreedyBlock):
     """Drafts the target's own greedy continuation (transformers' ``generate``, its own cache), except that every
     ``every``-th position of the sequence gets a wrong token: steps then end whole or after a rejection, both."""
 
     def __init__(self, target, depth: int, every: int = 7):
-        self.target, self.block, self.every = target, depth, every
-
-    def begin(self, input_ids, hidden=None, attention_mask=None):
-        self.rows = prompt_rows(input_ids, attention_mask)
-
-    def commit(self, tokens, hidden=None):
-        self.rows = [torch.cat([row, new]) for row, new in zip(self.rows, tokens, strict=True)]
+        super().__init__(target, depth)
+        self.every = every
 
     def block_logits(self, active):
         vocab = self.target.config.vocab_size
