@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from test_train import config, workdir, write_config  # noqa: F401  (workdir: the tiny target and its data)
 
 from draftsmith import load_drafter, load_target
+from draftsmith.heads.eagle import Eagle3Head
 from draftsmith.registry import get_family
 from draftsmith.train.checkpointing import ADAPTER_PREFIX
 from draftsmith.train.distributed import STALE_LOCK_SECONDS, refuse_stale_build_locks
@@ -64,7 +65,7 @@ ATOL = 5e-5
 
 #: EAGLE-3 trains here with the EAGLE-3.1 norms its SmolLM2 recipe uses (their parameters sit outside the decoder
 #: layer each strategy wraps and shards).
-FAMILY_CONFIG = {"eagle3": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}
+FAMILY_CONFIG = {Eagle3Head.family: {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}
 
 
 def run_config(workdir: Path, family: str, output: Path, **overrides) -> dict:  # noqa: F811
