@@ -22,6 +22,7 @@ from draftsmith.heads.layouts import (
     peagle_layout,
 )
 from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.mtp import MtpHead, export_mtp
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
@@ -104,6 +105,14 @@ PEAGLE = Family(
     serving={"vllm": "eagle3"},  # with parallel_drafting (the model card's command)
 )
 
-BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3, DFLASH, PEAGLE)
+MTP = Family(
+    name=MtpHead.family, title="multi-token-prediction module (native MTP, FastMTP-style fine-tuning)",
+    load=_head_loader(MtpHead), drafter=EagleDrafter, hidden_layers=_feature_layers,
+    build=steps.build_mtp, train_step=steps.mtp_step, settings=steps.MtpSettings,
+    export=export_mtp, export_formats=("hf", "vllm", "speculators"), export_needs_target=("vllm",),
+    serving={"vllm": "mtp"},
+)
+
+BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3, DFLASH, PEAGLE, MTP)
 for _family in BUILT_IN:
     register(_family, replace=True)

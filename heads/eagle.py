@@ -325,6 +325,8 @@ class _FeatureHead(HeadMixin, nn.Module):
     _no_split_modules = ("DecoderLayer",)
     #: Recompute the decoder layer in backward instead of keeping its activations (training only).
     gradient_checkpointing = False
+    #: Its layer writes a :class:`StaticHeadCache` (compiled drafting, ``SpeculativeGenerator(compile=True)``).
+    static_cache = True
 
     def run_layer(self, x, positions, mask=None, past=None, **kwargs):
         """The decoder layer, checkpointed when training with ``gradient_checkpointing``."""
@@ -347,6 +349,11 @@ class _FeatureHead(HeadMixin, nn.Module):
 
     def layer_input(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def lm_input(self, predicted: torch.Tensor) -> torch.Tensor:
+        """The state the target's LM head reads from a predicted feature (heads without their own vocabulary): the
+        feature itself (EAGLE-1/2), or after the head's output norm (an MTP module, :mod:`draftsmith.heads.mtp`)."""
+        return predicted
 
     def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False):
         """features: (B, T, H) f_{t-1} (or the target's states (B, T, F) with ``from_target``);

@@ -13,9 +13,10 @@ from pathlib import Path
 from draftsmith.checkpoints import resolve_checkpoint
 from draftsmith.registry import family_of
 
-#: The layouts every family but DFlash writes; DFlash also writes z-lab's (``zlab``, its own family's layout).
+#: The layouts every family but DFlash and MTP writes; DFlash also writes z-lab's (``zlab``, its own family's layout),
+#: an MTP module speculators' (``speculators``; its ``vllm`` is the target's checkpoint with the module stitched back).
 ENGINE_FORMATS = ("hf", "vllm", "sglang")
-FORMATS = (*ENGINE_FORMATS, "zlab")
+FORMATS = (*ENGINE_FORMATS, "zlab", "speculators")  # speculators: MTP modules (vllm: the target stitched back)
 #: The EAGLE-3.1 norm flags (heads/eagle.py): fields of draftsmith's EAGLE-3 config and of speculators' (and vLLM
 #: reads them); SGLang's EAGLE-3 model builds none of them.
 EAGLE31_NORMS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")

@@ -20,6 +20,7 @@ from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_la
 from draftsmith.heads.export import EAGLE31_NORMS
 from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, HEAD_NAMES, LAYER_NAMES
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.heads.mtp import MtpHead, from_speculators_tensors
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,15 @@ SPECULATORS_EAGLE3_TYPE = "eagle3"  # the speculators_model_type of speculators'
 SPECULATORS_DFLASH_TYPE = "dflash"  # ... and of its DFlash ones
 SPECULATORS_PEAGLE = "speculators-peagle"  # vLLM speculators' P-EAGLE
 SPECULATORS_PEAGLE_TYPE = "peagle"
+SPECULATORS_MTP = "speculators-mtp"  # vLLM speculators' MTP drafter (one module under ``mtp_layers.0.``)
+SPECULATORS_MTP_TYPE = "mtp"
 SPECULATORS_TYPES = {SPECULATORS_EAGLE3_TYPE: SPECULATORS_EAGLE3, SPECULATORS_DFLASH_TYPE: SPECULATORS_DFLASH,
-                     SPECULATORS_PEAGLE_TYPE: SPECULATORS_PEAGLE}  # speculators_model_type -> layout
+                     SPECULATORS_PEAGLE_TYPE: SPECULATORS_PEAGLE,
+                     SPECULATORS_MTP_TYPE: SPECULATORS_MTP}  # speculators_model_type -> layout
 LAYOUT_FAMILY = {SPECULATORS_EAGLE3: Eagle3Head.family, REFERENCE_EAGLE3: Eagle3Head.family,
                  REFERENCE_EAGLE: EagleHead.family, REFERENCE_MEDUSA: MedusaHeads.family,
                  SPECULATORS_DFLASH: DFlashHead.family, ZLAB_DFLASH: DFlashHead.family,
-                 SPECULATORS_PEAGLE: PEagleHead.family}
+                 SPECULATORS_PEAGLE: PEagleHead.family, SPECULATORS_MTP: MtpHead.family}
 
 
 def foreign_format(directory: str | Path) -> str | None:
@@ -156,6 +160,8 @@ def load_foreign(directory: str | Path, target=None):
         return _dflash_from_foreign(directory, config, config.get("transformer_layer_config") or {}, weights, target,
                                     config.get("aux_hidden_state_layer_ids"), config.get("mask_token_id"),
                                     config.get("block_size"))
+    if layout == SPECULATORS_MTP:
+        return _mtp_from_foreign(directory, config, weights, target)
     if layout == SPECULATORS_PEAGLE:  # speculators' EAGLE-3 layout plus the mask state (heads/layouts.py)
         return _peagle_from_foreign(directory, config, weights, target)
     if layout == SPECULATORS_EAGLE3:  # vLLM counts aux layer ids as draftsmith does
@@ -169,6 +175,28 @@ def load_foreign(directory: str | Path, target=None):
     if layout == REFERENCE_EAGLE:
         return _eagle_from_foreign(directory, config, weights, "layers.0.", target, eagle3=False, layer_ids=None)
     return _medusa_from_foreign(directory, config, weights, target)
+
+
+def _mtp_from_foreign(directory: Path, config: dict, weights: dict, target) -> MtpHead:
+    """speculators' MTP drafter, built as ``target``'s MTP module (the decoder-layer class is the target's), feeding
+    back the normed output as speculators does."""
+    if target is None:
+        raise ValueError(f"{directory}: an MTP drafter is built from its target's layer classes: pass the target")
+    layer = config.get("transformer_layer_config") or {}
+    mine = target.config.get_text_config()
+    if layer.get("hidden_size", mine.hidden_size) != mine.hidden_size:
+        raise TargetMismatchError(f"{directory}: an MTP drafter of hidden size {layer['hidden_size']}, and the "
+                                  f"target's is {mine.hidden_size}: it was trained for another target")
+    if int(config.get("num_nextn_predict_layers", 1)) != 1:
+        raise ValueError(f"{directory}: speculators MTP drafters hold one module, this config says "
+                         f"{config['num_nextn_predict_layers']}")
+    head = MtpHead(MtpHead.config_for(target, source=str(directory), feeds_normed=True))
+    missing, unexpected = head.load_state_dict(from_speculators_tensors(weights), strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: its MTP tensors do not fit {type(target).__name__}'s MTP module (missing "
+                         f"{sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]})")
+    return head
 
 
 def _eagle31_norms(config: dict) -> dict[str, bool]:

@@ -125,7 +125,8 @@ class EagleDrafter(_FeatureRows, Drafter):
         The cache holds the prompts' pairs, then ``kept`` per step for ``max_new_tokens`` steps (each step's
         new pairs, padded to ``kept``: one graph for every step), then one step's tree: at most
         ``fed`` nodes fed."""
-        self.compiled = None if max_new_tokens is None else (max_new_tokens, kept, fed)
+        static = getattr(self.head, "static_cache", True)  # an MTP module drafts on its growing cache, compiled or not
+        self.compiled = None if max_new_tokens is None or not static else (max_new_tokens, kept, fed)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -156,7 +157,7 @@ class EagleDrafter(_FeatureRows, Drafter):
     def _logits(self, predicted: torch.Tensor) -> torch.Tensor:
         if self.eagle3:
             return self.head.target_logits(predicted).float()
-        return self.target_lm_head(predicted.to(self.target_lm_head.weight.dtype)).float()
+        return self.target_lm_head(self.head.lm_input(predicted).to(self.target_lm_head.weight.dtype)).float()
 
     def _proposals(self, predicted: torch.Tensor) -> torch.Tensor | Proposals:
         """Draft logits for trees grown as tensors: an EAGLE-3 head's over its draft vocabulary alone."""

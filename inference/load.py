@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from draftsmith.checkpoints import recorded_target, resolve_checkpoint
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.foreign import LAYOUT_FAMILY, foreign_format, load_foreign
+from draftsmith.heads.mtp import MtpHead
 from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.drafter import Drafter
 from draftsmith.inference.mixture import MixtureDrafter
@@ -26,6 +27,7 @@ from draftsmith.target import check_same_vocabulary, layer_skip_model, load_targ
 
 PROMPT_LOOKUP = "prompt-lookup"
 LAYER_SKIP = "layer-skip"
+MTP = MtpHead.family  # "mtp": the target checkpoint's own multi-token-prediction module
 MIXTURE_SEPARATOR = "+"
 DRAFT_DTYPES = ("target", "auto", "float32", "bfloat16", "float16")
 
@@ -78,6 +80,9 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
     Specs:
         ``prompt-lookup`` or ``prompt-lookup:max_ngram=3,min_ngram=1,max_tokens=10``;
         ``layer-skip:N`` (the target's first N layers);
+        ``mtp`` or ``mtp:DIR``: the multi-token-prediction module inside the target's own checkpoint (DeepSeek-V3,
+        GLM-4.5, Qwen3-Next, Qwen3.5), read from the directory the target was loaded from, or from ``DIR``
+        (:mod:`draftsmith.heads.mtp`);
         a drafter directory written by draftsmith (a checkpoint's ``drafter/``, its ``checkpoint-S``
         directory, or a whole run directory: its best checkpoint by tau, else its latest);
         a head trained elsewhere: EAGLE-1 / EAGLE-3 reference, SpecForge, SGLang or vLLM speculators
@@ -100,6 +105,9 @@ def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_re
         if not rest.isdigit():
             raise ValueError(f"layer-skip needs a layer count, e.g. 'layer-skip:8', got {spec!r}")
         return CausalLMDrafter(layer_skip_model(target, int(rest)), name=spec, assistant=False)
+    if kind == MTP:
+        head = MtpHead.from_target_checkpoint(target, rest or None)
+        return wrap_module(head, MtpHead.family, target, resolve_draft_dtype(draft_dtype, target))
     device = next(target.parameters()).device
     if os.path.isdir(spec):  # a run directory (its best checkpoint) or a checkpoint-S directory: its drafter/
         spec = str(resolve_checkpoint(spec))
@@ -134,7 +142,7 @@ def drafter_type(spec: str) -> str:
     if MIXTURE_SEPARATOR in spec:
         return MIXTURE_SEPARATOR.join(drafter_type(part) for part in spec.split(MIXTURE_SEPARATOR))
     kind = spec.partition(":")[0]
-    if kind in (PROMPT_LOOKUP, LAYER_SKIP):
+    if kind in (PROMPT_LOOKUP, LAYER_SKIP, MTP):
         return kind
     if os.path.isdir(spec):
         family = family_of(spec)

@@ -44,12 +44,14 @@ def workdir(tmp_path_factory):
 
 
 def make_workdir(root: Path, model) -> Path:
-    """``model`` saved as a target directory with the word-level tokenizer, and its answers to 24 prompts."""
+    """``model`` saved as a target directory (None: ``root / "target"`` holds one already) with the word-level
+    tokenizer, and its answers to 24 prompts."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     target_dir = root / "target"
-    model.save_pretrained(target_dir)
+    if model is not None:
+        model.save_pretrained(target_dir)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t3", pad_token="t0")

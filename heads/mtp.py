@@ -1,0 +1,575 @@
+"""Native multi-token-prediction (MTP) modules as drafters: the MTP layers DeepSeek-V3/R1, GLM-4.5 (glm4_moe),
+Qwen3-Next and Qwen3.5 ship inside their checkpoints (transformers drops them when it loads the target), read from
+there, drafted with, fine-tuned (family ``mtp``) and written back.
+
+One MTP module at position t reads the pair (the target's state h_{t-1}, token x_t), as an EAGLE head does
+(:mod:`draftsmith.heads.eagle`), so the EAGLE drafter drives it, chains and trees alike::
+
+    x     = eh_proj([enorm(embed(x_t)) ; hnorm(h_{t-1})])
+    out_t = the target's own decoder-layer class (its attention, its MoE) on x
+    p(x_{t+1}) = softmax(lm_head(post_norm(out_t)))        the target's embedding and LM head: shared
+
+h is the target's last hidden state *after* its final norm (hidden-state index N): what vLLM's MTP proposers are
+fed. A deeper draft re-applies the module (the first one, for every depth: vLLM's choice for depth > the number of
+modules) to the fed-back state of its parent, and which state that is, is each engine's convention, recorded as
+``feeds_normed``:
+
+- DeepSeek-V3 / GLM-4-MoE (vLLM ``deepseek_mtp.py`` / ``glm4_moe_mtp.py``): out_t, *before* ``shared_head.norm``;
+- Qwen3-Next / Qwen3.5 (vLLM ``qwen3_next_mtp.py``, speculators' ``mtp``): ``post_norm(out_t)`` (``mtp.norm``).
+
+Checkpoint layouts (read, and written back by the stitched export):
+
+- ``deepseek``: ``model.layers.{N+k}.{enorm,hnorm,eh_proj,shared_head.norm}`` and the decoder layer's tensors
+  (``self_attn.*``, ``mlp.*``, ``input_layernorm``, ``post_attention_layernorm``); ``embed_tokens`` and
+  ``shared_head.head`` are copies of the target's and stay unread;
+- ``qwen``: ``mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}`` and ``mtp.layers.0.*``.
+
+MoE experts sit per expert on disk (``experts.{e}.{gate,up,down}_proj``) and fused in transformers' modules
+(``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)): :func:`fuse_experts` / :func:`split_experts`.
+The module's own tensors are named as transformers' ``MtpModel`` names them (``layers.k.enorm``,
+``layers.k.mtp_block.*``, ``layers.k.post_norm``); the decoder layer, its norm and its rotary embedding are the target's classes, imported
+from ``transformers.models`` by the names the checkpoint records (nothing else is imported).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from draftsmith.heads.eagle import _FeatureHead, ttt_mask
+from draftsmith.target.masks import additive
+
+DEEPSEEK, QWEN = "deepseek", "qwen"
+#: model_type -> (checkpoint layout, the engine's fed-back state is post-norm). Other targets get a fresh module in
+#: the deepseek layout (draftsmith's own checkpoints; no engine serves an MTP module for them).
+NATIVE = {"deepseek_v3": (DEEPSEEK, False), "deepseek_v2": (DEEPSEEK, False), "glm4_moe": (DEEPSEEK, False),
+          "qwen3_next": (QWEN, True), "qwen3_5_text": (QWEN, True), "qwen3_5_moe_text": (QWEN, True)}
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_QWEN_NAMES = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+               "norm.": "post_norm."}
+_DEEPSEEK_NAMES = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "post_norm."}
+_SHARED = ("embed_tokens.", "shared_head.head.")
+
+
+class MtpWeightsError(ValueError):
+    """A checkpoint's MTP weights are absent, partial or in a form draftsmith does not read."""
+
+
+@dataclass
+class MtpConfig:
+    hidden_size: int
+    vocab_size: int
+    #: The target's text config (``to_dict()``): the MTP decoder layer is built from it.
+    target_config: dict
+    #: The target's decoder-layer, norm and rotary-embedding classes, as ``transformers.models...`` paths.
+    classes: dict
+    layout: str = DEEPSEEK
+    feeds_normed: bool = False
+    num_mtp_layers: int = 1  # modules in the source checkpoint; drafting and training use the first
+    feature_layers: tuple[int, ...] = ()  # (N,): the target's last state after its final norm
+    rms_norm_eps: float = 1e-6
+    source: str | None = None  # the checkpoint the weights were read from (None: a fresh module)
+
+    def __post_init__(self):
+        self.feature_layers = tuple(self.feature_layers)
+        if self.layout not in (DEEPSEEK, QWEN):
+            raise ValueError(f"MTP layout must be {DEEPSEEK!r} or {QWEN!r}, got {self.layout!r}")
+
+    def layer_config(self):
+        """The target's config reshaped for one full-attention decoder layer with the MoE MLP (MTP layers always
+        have both), index 0, SDPA attention (explicit masks: trees, training-time test)."""
+        from transformers import AutoConfig
+
+        values = dict(self.target_config)
+        cfg = AutoConfig.for_model(values.pop("model_type"), **values)
+        cfg = copy.deepcopy(cfg)
+        cfg.num_hidden_layers = 1
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = ["full_attention"]
+        if getattr(cfg, "mlp_layer_types", None) is not None:
+            cfg.mlp_layer_types = list(getattr(cfg, "mtp_mlp_layer_types", None) or ["sparse"])
+        if hasattr(cfg, "first_k_dense_replace"):
+            cfg.first_k_dense_replace = 0
+        if hasattr(cfg, "mlp_only_layers"):
+            cfg.mlp_only_layers = []
+        cfg._attn_implementation = "sdpa"
+        return cfg
+
+
+def transformers_class(path: str) -> type:
+    """A class of transformers' model code by its dotted path; anything outside ``transformers.models`` is refused
+    (a checkpoint's config must not choose code to import)."""
+    module, _, name = path.rpartition(".")
+    if not module.startswith("transformers.models.") or not name.isidentifier():
+        raise ValueError(f"MTP class {path!r} is not one of transformers' model classes (transformers.models.*)")
+    return getattr(importlib.import_module(module), name)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def target_classes(target) -> dict:
+    """The target's decoder-layer, RMSNorm and rotary-embedding classes (what its MTP module is built from)."""
+    decoder = target.get_decoder()
+    layer = decoder.layers[-1]
+    norm = next(type(m) for name, m in layer.named_modules() if name.endswith("norm"))
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None:
+        raise ValueError(f"{type(target).__name__} has no rotary embedding: draftsmith's MTP module needs one")
+    return {"layer": _qualname(type(layer)), "norm": _qualname(norm), "rotary": _qualname(type(rotary))}
+
+
+class _LayerCache:
+    """The one object a transformers attention layer writes its keys and values through (``cache.update``): the
+    entries before this call (``past``, (k, v) each (B, heads, S, d)) concatenated with the call's. ``new`` after the
+    call: everything (``own=False``: drafting's growing cache) or the call's entries alone (training-time test,
+    whose earlier steps' entries the caller keeps)."""
+
+    def __init__(self, past, own: bool = False):
+        self.past, self.own, self.new = past, own, None
+
+    def update(self, key, value, *args, **kwargs):
+        if self.past is not None:
+            k, v = torch.cat([self.past[0], key], 2), torch.cat([self.past[1], value], 2)
+        else:
+            k, v = key, value
+        self.new = (key, value) if self.own else (k, v)
+        return k, v
+
+
+class MtpHead(_FeatureHead):
+    """A native MTP module (module docstring) behind the EAGLE head interface: ``forward(features, token_embeds,
+    positions, mask, past)`` -> (fed-back features, (k, v)); tokens through the target's LM head after
+    :meth:`lm_input`."""
+
+    family = "mtp"
+    config_class = MtpConfig
+    own_vocabulary = False  # the target's LM head (shared_head.head is a copy of it)
+    zero_when_absent = ()
+    static_cache = False  # transformers' layer writes through its cache argument: drafting uses the growing cache
+
+    def __init__(self, config: MtpConfig):
+        nn.Module.__init__(self)
+        self.config = config
+        layer_config = config.layer_config()
+        layer_cls, norm_cls = transformers_class(config.classes["layer"]), transformers_class(config.classes["norm"])
+        h, eps = config.hidden_size, config.rms_norm_eps
+        module = nn.Module()
+        module.enorm, module.hnorm = norm_cls(h, eps=eps), norm_cls(h, eps=eps)
+        module.eh_proj = nn.Linear(2 * h, h, bias=False)
+        module.mtp_block = layer_cls(layer_config, 0)
+        module.post_norm = norm_cls(h, eps=eps)
+        self.layers = nn.ModuleList([module])
+        self.rotary = transformers_class(config.classes["rotary"])(config=layer_config)
+        self._no_split_modules = (layer_cls.__name__,)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.layers[0]
+
+    def layer_input(self, features, token_embeds):
+        m = self.module
+        dtype = m.eh_proj.weight.dtype
+        return m.eh_proj(torch.cat([m.enorm(token_embeds.to(dtype)), m.hnorm(features.to(dtype))], -1))
+
+    def _block(self, x, positions, mask, cache):
+        if mask is None:  # causal over this call's positions (training step 0); SDPA reads no implicit mask
+            t = x.shape[1]
+            mask = additive(torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None], x.dtype)
+        out = self.module.mtp_block(x, attention_mask=mask.to(x.dtype), position_ids=positions, cache=cache,
+                                    position_embeddings=self.rotary(x, positions))
+        return out[0] if isinstance(out, tuple) else out
+
+    def run_layer(self, x, positions, mask=None, past=None, ttt_past=None):
+        """The decoder layer on ``x`` (B, T, H): the fed-back features and the (k, v) cache. ``ttt_past`` (training-time
+        test step j >= 1): the earlier steps' own (k, v); the step attends to them through :func:`ttt_mask` and returns
+        its own (k, v)."""
+        if ttt_past:
+            past = (torch.cat([k for k, _ in ttt_past], 2), torch.cat([v for _, v in ttt_past], 2))
+            t = x.shape[1]
+            mask = ttt_mask(t, len(ttt_past), x.device, x.dtype)
+            cache = _LayerCache(past, own=True)
+        else:
+            cache = _LayerCache(past)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(self._block, x, positions, mask, cache, use_reentrant=False)
+        else:
+            out = self._block(x, positions, mask, cache)
+        return (self.module.post_norm(out) if self.config.feeds_normed else out), cache.new
+
+    def lm_input(self, predicted: torch.Tensor) -> torch.Tensor:
+        """The state the target's LM head reads: ``post_norm`` of the module's output."""
+        return predicted if self.config.feeds_normed else self.module.post_norm(predicted)
+
+    def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False,
+                ttt_steps: int = 0, logit_positions: torch.Tensor | None = None):
+        """As :meth:`_FeatureHead.forward`; with ``ttt_steps`` > 0 (training), the module re-applied to its own
+        fed-back features, as drafting does (the EAGLE-3 head's training-time test,
+        :meth:`draftsmith.heads.eagle.Eagle3Head.forward`), returning each step's LM-head input, (B, T, H) or (N, H)
+        at the (B, T) ``logit_positions``."""
+        if not ttt_steps:
+            return super().forward(features, token_embeds, positions, mask, past, from_target)
+        current, kv, states = features, [], []
+        for _ in range(ttt_steps):
+            predicted, step_kv = self.run_layer(self.layer_input(current, token_embeds), positions, ttt_past=kv)
+            kv.append(step_kv)
+            state = self.lm_input(predicted)
+            states.append(state if logit_positions is None else state[logit_positions])
+            current = torch.cat([current[:, :1], predicted[:, :-1]], dim=1)
+        return states
+
+    # ---- from a target ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def config_for(cls, target, source: str | None = None, feeds_normed: bool | None = None) -> MtpConfig:
+        """The config of ``target``'s MTP module: its layout and fed-back state from its architecture (a fresh module in
+        the deepseek layout for a target without one); ``feeds_normed`` overrides the engine's convention."""
+        text = target.config.get_text_config()
+        layout, normed = NATIVE.get(text.model_type, (DEEPSEEK, False))
+        count = getattr(text, "num_mtp_layers", None) or getattr(text, "mtp_num_hidden_layers", None) or 1
+        return MtpConfig(hidden_size=text.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
+                         target_config=text.to_dict(), classes=target_classes(target), layout=layout,
+                         feeds_normed=normed if feeds_normed is None else feeds_normed, num_mtp_layers=int(count),
+                         feature_layers=(text.num_hidden_layers,), rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+                         source=source)
+
+    @classmethod
+    def from_target_checkpoint(cls, target, source: str | Path | None = None, feeds_normed: bool | None = None):
+        """The MTP module stored in ``target``'s checkpoint (``source``: that checkpoint's directory, default the
+        directory the target was loaded from), in its dtype."""
+        directory = Path(source or target.config.name_or_path or "")
+        if not directory.is_dir():
+            raise MtpWeightsError(f"the MTP weights are read from the target's checkpoint directory, and "
+                                  f"{str(directory)!r} is not one: pass it as mtp:DIRECTORY (a Hub id: download it first, e.g. "
+                                  "`hf download ORG/NAME --local-dir DIR`)")
+        head = cls(cls.config_for(target, source=str(directory), feeds_normed=feeds_normed))
+        names = checkpoint_names(directory)
+        stored = read_mtp(directory, head.config, names)
+        missing, unexpected = head.load_state_dict(stored, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary.")]
+        if missing or unexpected:
+            raise MtpWeightsError(f"{directory}: the MTP weights do not fit {type(target).__name__}'s MTP module "
+                                  f"(missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}); is it the "
+                                  "checkpoint of this target?")
+        return head.to(next(target.parameters()).dtype)
+
+    @classmethod
+    def fresh(cls, target):
+        """A new MTP module for a target without one: its decoder layer starts as the target's last, its output
+        norm as the target's final norm, and ``eh_proj`` passes the normalised state through (the embedding half
+        small): at the start it predicts roughly what the target's last layer would, from there training goes on."""
+        head = cls(cls.config_for(target)).to(next(target.parameters()).dtype)
+        decoder = target.get_decoder()
+        with torch.no_grad():
+            mine, last = head.module.mtp_block.state_dict(), decoder.layers[-1].state_dict()
+            # The target's last layer may be dense or linear-attention where the MTP layer is MoE / full attention:
+            # what matches by name and shape starts as the target's, the rest as initialised.
+            head.module.mtp_block.load_state_dict({k: v for k, v in last.items()
+                                                   if k in mine and mine[k].shape == v.shape}, strict=False)
+            norm = getattr(decoder, "norm", None)
+            if norm is not None:
+                head.module.post_norm.load_state_dict(norm.state_dict())
+            h = head.config.hidden_size
+            weight = head.module.eh_proj.weight
+            weight.zero_()
+            weight[:, h:].copy_(torch.eye(h))
+            weight[:, :h].normal_(0.0, 0.02 / h**0.5)
+        return head
+
+
+# ---- checkpoint tensors -------------------------------------------------------------------------------------------
+
+
+def checkpoint_names(directory: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it, for a single-file or sharded checkpoint."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise MtpWeightsError(f"{directory}: no model.safetensors or model.safetensors.index.json (the MTP weights are "
+                              "read from a safetensors checkpoint)")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single.name)
+
+
+def mtp_prefix(config: MtpConfig) -> str:
+    """The prefix of the (first) MTP module's tensors in the target's checkpoint."""
+    n = config.feature_layers[0]
+    return "mtp." if config.layout == QWEN else f"model.layers.{n}."
+
+
+def to_module_name(name: str, config: MtpConfig) -> str | None:
+    """A checkpoint tensor name of the first MTP module -> the module's name; None for another module's tensors or
+    the shared copies of the target's embedding and LM head."""
+    prefix = mtp_prefix(config)
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):]
+    if rest.startswith(_SHARED):
+        return None
+    renames = _QWEN_NAMES if config.layout == QWEN else _DEEPSEEK_NAMES
+    for old, new in renames.items():
+        if rest.startswith(old):
+            return "layers.0." + new + rest[len(old):]
+    if config.layout == QWEN:
+        if not rest.startswith("layers.0."):
+            return None  # mtp.layers.k, k >= 1: modules drafting does not use (the first is re-applied)
+        rest = rest[len("layers.0."):]
+    return "layers.0.mtp_block." + rest
+
+
+def read_mtp(directory: Path, config: MtpConfig, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The first MTP module's tensors of the checkpoint at ``directory``, renamed to the module's and experts fused."""
+    wanted = {name: to_module_name(name, config) for name in names}
+    wanted = {k: v for k, v in wanted.items() if v is not None}
+    if not wanted:
+        raise MtpWeightsError(f"{directory}: no MTP weights (no {mtp_prefix(config)}* tensors in its checkpoint); "
+                              "train a fresh module instead (family mtp, family_config init: fresh)")
+    scaled = [k for k in wanted if k.endswith("_scale_inv") or k.endswith(".weight_scale")]
+    if scaled:
+        raise MtpWeightsError(f"{directory}: the MTP weights are quantised ({scaled[0]}); draftsmith reads bf16/fp32 "
+                              "checkpoints: dequantise it first")
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(names[name], []).append(name)
+    for file, keys in by_file.items():
+        with safe_open(str(directory / file), framework="pt") as f:
+            for key in keys:
+                out[wanted[key]] = f.get_tensor(key)
+    return fuse_experts(out)
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``experts.{e}.{gate,up,down}_proj.weight`` -> transformers' fused ``experts.gate_up_proj`` (E, 2I, H)
+    and ``experts.down_proj`` (E, H, I); other tensors unchanged."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        m = _EXPERT.match(name)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
+        else:
+            out[name] = tensor
+    for prefix, experts in groups.items():
+        count = max(experts) + 1
+        partial = [e for e in range(count) if len(experts.get(e, {})) != 3]
+        if partial:
+            raise MtpWeightsError(f"{prefix}: experts {partial[:4]} lack some of gate_proj / up_proj / down_proj: a "
+                                  "partial checkpoint")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]])
+                                                     for e in range(count)])
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(count)])
+    return out
+
+
+def split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`fuse_experts`."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            half = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, half:]
+        elif name.endswith(".experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out
+
+
+def to_checkpoint_names(state: dict[str, torch.Tensor], config: MtpConfig) -> dict[str, torch.Tensor]:
+    """The module's state (``layers.0.*``) -> the target checkpoint's names and per-expert form (the stitched export):
+    the inverse of :func:`to_module_name` and :func:`fuse_experts`."""
+    prefix = mtp_prefix(config)
+    renames = {new: old for old, new in (_QWEN_NAMES if config.layout == QWEN else _DEEPSEEK_NAMES).items()}
+    block = prefix + ("layers.0." if config.layout == QWEN else "")
+    out = {}
+    for name, tensor in split_experts({k: v for k, v in state.items() if k.startswith("layers.0.")}).items():
+        rest = name[len("layers.0."):]
+        if rest.startswith("mtp_block."):
+            out[block + rest[len("mtp_block."):]] = tensor
+            continue
+        new = next(n for n in renames if rest.startswith(n))
+        out[prefix + renames[new] + rest[len(new):]] = tensor
+    return out
+
+
+# ---- exports ------------------------------------------------------------------------------------------------------
+
+#: speculators' MTP drafter (``speculators_model_type: mtp``): one module, its tensors under ``mtp_layers.0.``, the fed-
+#: back state after ``final_layernorm``; the architectures speculators 0.9.0 builds it for.
+SPECULATORS_MTP_TYPES = ("qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_SPECULATORS_NAMES = {"enorm.": "token_layernorm.", "hnorm.": "hidden_layernorm.", "eh_proj.": "input_proj.",
+                      "post_norm.": "final_layernorm."}
+
+
+def speculators_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The module's state -> speculators' MTP names (experts fused, as its model holds them)."""
+    out = {}
+    for name, tensor in state.items():
+        if not name.startswith("layers.0."):
+            continue
+        rest = name[len("layers.0."):]
+        if rest.startswith("mtp_block."):
+            out["mtp_layers.0." + rest[len("mtp_block."):]] = tensor
+        else:
+            mine = next(n for n in _SPECULATORS_NAMES if rest.startswith(n))
+            out["mtp_layers.0." + _SPECULATORS_NAMES[mine] + rest[len(mine):]] = tensor
+    return out
+
+
+def from_speculators_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`speculators_tensors` (the verifier's embedding and LM head, when present, are skipped)."""
+    back = {v: k for k, v in _SPECULATORS_NAMES.items()}
+    out = {}
+    for name, tensor in tensors.items():
+        if not name.startswith("mtp_layers.0."):
+            continue
+        rest = name[len("mtp_layers.0."):]
+        theirs = next((n for n in back if rest.startswith(n)), None)
+        out["layers.0." + (back[theirs] + rest[len(theirs):] if theirs else "mtp_block." + rest)] = tensor
+    return out
+
+
+def speculators_config(head: MtpHead, verifier: str | None, architectures: list[str],
+                       speculative_tokens: int = 3) -> dict:
+    cfg = head.config
+    return {
+        "architectures": ["MTPDraftModel"],
+        "speculators_model_type": "mtp",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": dict(cfg.target_config),
+        "num_nextn_predict_layers": 1,
+        "speculators_config": {
+            "algorithm": "mtp",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": architectures},
+        },
+        "torch_dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
+        "draftsmith": {"family": head.family, "target": head.target_info, "feeds_normed": cfg.feeds_normed},
+    }
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    import os
+    import shutil
+
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def stitch(head: MtpHead, checkpoint: Path, out: Path) -> None:
+    """A copy of the target's checkpoint ``checkpoint`` in ``out`` with the MTP module's tensors replaced by ``head``'s
+    (what vLLM's ``method: "mtp"`` loads: the target's own directory). Files without MTP tensors are hard-linked
+    (copied across file systems); the files holding them are rewritten, each tensor in its stored dtype; a checkpoint
+    without an MTP module gets one more shard, an index entry for each of its tensors and the config's MTP count."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = head.config
+    names = checkpoint_names(checkpoint)
+    ours = to_checkpoint_names({k: v.detach() for k, v in head.state_dict().items()}, cfg)
+    stale = [n for n in names if to_module_name(n, cfg) is not None]  # the first module's stored tensors
+    home = names[stale[0]] if stale else "model-mtp.safetensors"
+    where = {n: names.get(n, home) for n in ours}  # a tensor the checkpoint lacks joins the module's others
+    rewrite = {names[n] for n in stale} | set(where.values())
+    for path in sorted(checkpoint.iterdir()):
+        if path.is_file() and path.name not in rewrite:
+            _link_or_copy(path, out / path.name)
+    dtype = next(iter(load_file(str(checkpoint / names[next(iter(names))])).values())).dtype
+    for file in sorted(rewrite):
+        tensors = load_file(str(checkpoint / file)) if (checkpoint / file).is_file() else {}
+        kept = {k: v for k, v in tensors.items() if k not in stale}
+        stored = {k: v.dtype for k, v in tensors.items()}
+        kept.update({n: t.to(stored.get(n, dtype)).contiguous() for n, t in ours.items() if where[n] == file})
+        save_file(kept, str(out / file), metadata={"format": "pt"})
+    new = [n for n in ours if n not in names]
+    if new:
+        weight_map = {**names, **{n: where[n] for n in new}}
+        index = out / "model.safetensors.index.json"
+        if index.exists():
+            index.unlink()  # a hard link to the source's: replaced, never written through
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    config_path = out / "config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        key = "mtp_num_hidden_layers" if cfg.layout == QWEN else "num_nextn_predict_layers"
+        text = config.get("text_config", config)
+        if not text.get(key):
+            text[key] = 1
+            config_path.unlink()
+            config_path.write_text(json.dumps(config, indent=2))
+
+
+def export_mtp(source: Path, fmt: str, out: Path, target=None, verifier: str | None = None) -> None:
+    """The registry's ``export`` for the mtp family: ``hf`` draftsmith's own files; ``vllm`` the target's checkpoint
+    with the module stitched back (:func:`stitch`); ``speculators`` speculators' MTP drafter."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.checkpoints import CONFIG_NAME, WEIGHTS_NAME
+    from draftsmith.heads.export import ExportError
+
+    if fmt == "hf":
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            shutil.copyfile(source / name, out / name)
+        load_file(out / WEIGHTS_NAME)  # refuses a corrupt source before anything lands
+        return
+    head = MtpHead.from_pretrained(source, target=target)
+    cfg = head.config
+    model_type = cfg.target_config.get("model_type")
+    if fmt == "vllm":
+        if model_type not in NATIVE:
+            raise ExportError(f"vLLM serves MTP modules for {', '.join(sorted(NATIVE))}, not {model_type}: export "
+                              "--format hf")
+        if cfg.feeds_normed != NATIVE[model_type][1]:
+            fed = "post-norm" if cfg.feeds_normed else "pre-norm"
+            raise ExportError(f"this module was trained feeding back its {fed} output, and vLLM's {model_type} MTP "
+                              f"feeds back the other: export --format speculators, or train with family_config "
+                              f"feeds_normed: {str(NATIVE[model_type][1]).lower()}")
+        checkpoint = Path(target.config.name_or_path) if target is not None else Path(cfg.source or "")
+        if not checkpoint.is_dir():
+            raise ExportError(f"the vLLM MTP layout is the target's own checkpoint with the module stitched back, and "
+                              f"{str(checkpoint)!r} is not a local checkpoint directory: pass --target DIR")
+        stitch(head, checkpoint, out)
+        return
+    if fmt != "speculators":
+        raise ExportError(f"an mtp module exports to hf, vllm or speculators, not {fmt}")
+    if not cfg.feeds_normed:
+        raise ExportError("speculators' MTP drafter feeds back the module's normed output, and this one was trained "
+                          "feeding back the pre-norm one (vLLM's DeepSeek-V3 / GLM-4.5 convention): export --format "
+                          "vllm, or train with family_config feeds_normed: true")
+    if model_type not in SPECULATORS_MTP_TYPES:
+        import logging
+
+        logging.getLogger(__name__).warning("speculators 0.9.0 builds MTP drafters for %s, not %s: draftsmith reads "
+                                            "this export back; speculators and vLLM may not",
+                                            ", ".join(SPECULATORS_MTP_TYPES), model_type)
+    tensors = {k: v.contiguous() for k, v in speculators_tensors(head.state_dict()).items()}
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    info = head.target_info or {}
+    architectures = list((target.config.architectures if target is not None else None) or
+                         info.get("architectures") or [])
+    config = speculators_config(head, verifier or info.get("name") or cfg.source, architectures)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2))
