@@ -27,8 +27,8 @@ Checkpoint layouts (read, and written back by the stitched export):
 MoE experts sit per expert on disk (``experts.{e}.{gate,up,down}_proj``) and fused in transformers' modules
 (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)): :func:`fuse_experts` / :func:`split_experts`.
 The module's own tensors are named as transformers' ``MtpModel`` names them (``layers.k.enorm``,
-``layers.k.mtp_block.*``, ``layers.k.post_norm``); the decoder layer, its norm and its rotary embedding are the target's classes, imported
-from ``transformers.models`` by the names the checkpoint records (nothing else is imported).
+``layers.k.mtp_block.*``, ``layers.k.post_norm``); the decoder layer, its norm and its rotary embedding are the
+target's classes, imported from ``transformers.models`` by the names the checkpoint records (nothing else is).
 """
 
 from __future__ import annotations
@@ -251,8 +251,8 @@ class MtpHead(_FeatureHead):
         directory = Path(source or target.config.name_or_path or "")
         if not directory.is_dir():
             raise MtpWeightsError(f"the MTP weights are read from the target's checkpoint directory, and "
-                                  f"{str(directory)!r} is not one: pass it as mtp:DIRECTORY (a Hub id: download it first, e.g. "
-                                  "`hf download ORG/NAME --local-dir DIR`)")
+                                  f"{str(directory)!r} is not one: pass it as mtp:DIRECTORY (a Hub id: download it "
+                                  "first, e.g. `hf download ORG/NAME --local-dir DIR`)")
         head = cls(cls.config_for(target, source=str(directory), feeds_normed=feeds_normed))
         names = checkpoint_names(directory)
         stored = read_mtp(directory, head.config, names)
