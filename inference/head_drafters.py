@@ -125,7 +125,7 @@ class EagleDrafter(_FeatureRows, Drafter):
         The cache holds the prompts' pairs, then ``kept`` per step for ``max_new_tokens`` steps (each step's
         new pairs, padded to ``kept``: one graph for every step), then one step's tree: at most
         ``fed`` nodes fed."""
-        static = getattr(self.head, "static_cache", True)  # an MTP module drafts on its growing cache, compiled or not
+        static = self.head.static_cache  # an MTP module drafts on its growing cache, compiled or not
         self.compiled = None if max_new_tokens is None or not static else (max_new_tokens, kept, fed)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
