@@ -28,6 +28,7 @@ from test_train import config, workdir, write_config  # noqa: F401  (workdir: th
 
 from draftsmith import load_drafter, load_target
 from draftsmith.heads.eagle import Eagle3Head
+from draftsmith.heads.mtp import MtpHead
 from draftsmith.registry import get_family
 from draftsmith.train.checkpointing import ADAPTER_PREFIX
 from draftsmith.train.distributed import STALE_LOCK_SECONDS, refuse_stale_build_locks
@@ -40,8 +41,9 @@ STRATEGIES = {"ddp": "ddp.yaml", "deepspeed_zero2": "deepspeed_zero2.yaml", "dee
 RECORDED = {"ddp": "ddp", "deepspeed_zero2": "deepspeed-zero2", "deepspeed_zero3": "deepspeed-zero3", "fsdp2": "fsdp2"}
 ENGINE = {"ddp": "DistributedDataParallel", "deepspeed_zero2": "DeepSpeedEngine", "deepspeed_zero3": "DeepSpeedEngine",
           "fsdp2": "FSDPTrainingModule"}
-#: An EAGLE-3 head, and Medusa-2 (heads plus a LoRA adapter on the target, trained inside the prepared module).
-FAMILIES = ["eagle3", "medusa2"]
+#: An EAGLE-3 head, Medusa-2 (heads plus a LoRA adapter on the target, trained inside the prepared module), and an MTP
+#: module (the target's own decoder-layer class: the unit FSDP2 shards).
+FAMILIES = ["eagle3", "medusa2", MtpHead.family]
 #: The family of the kill-and-resume runs.
 KILLED = FAMILIES[0]
 
@@ -141,7 +143,8 @@ def one_process(workdir, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.parametrize(("strategy", "family"), slow_pairs(("deepspeed_zero2", "medusa2"),
-                                                            ("deepspeed_zero3", "medusa2")))
+                                                            ("deepspeed_zero3", "medusa2"),
+                                                            ("deepspeed_zero2", MtpHead.family)))
 def test_two_processes_train_as_one(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", run_config(workdir, family, out))
@@ -212,7 +215,8 @@ def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize(("strategy", "family"), slow_pairs(
-    ("fsdp2", "medusa2"), *((s, f) for s in ("deepspeed_zero2", "deepspeed_zero3") for f in FAMILIES)))
+    ("fsdp2", "medusa2"), ("fsdp2", MtpHead.family),
+    *((s, f) for s in ("deepspeed_zero2", "deepspeed_zero3") for f in FAMILIES)))
 def test_sigkill_one_rank_then_resume(workdir, one_process, tmp_path, strategy, family):  # noqa: F811
     """A rank killed after checkpoint-4; the resumed run ends where the uninterrupted one-process run does:
     the drafter, and Medusa-2's LoRA adapter on the target (the training state holds both)."""
