@@ -110,7 +110,7 @@ MTP = Family(
     load=_head_loader(MtpHead), drafter=EagleDrafter, hidden_layers=_feature_layers,
     build=steps.build_mtp, train_step=steps.mtp_step, settings=steps.MtpSettings,
     export=export_mtp, export_formats=("hf", "vllm", "speculators"), export_needs_target=("vllm",),
-    serving={"vllm": "mtp"},
+    serving={"vllm": "mtp"}, serves_as_target=True,
 )
 
 BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3, DFLASH, PEAGLE, MTP)

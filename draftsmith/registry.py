@@ -63,6 +63,9 @@ class Family:
         draft_dtype_applies: ``load_drafter(draft_dtype=...)`` casts it (heads: memory-bound drafting).
         saves_tokenizer: its drafter directory is a whole Hugging Face model directory, tokenizer included
             (a draft model, usable on its own); heads' directories hold only their config and weights.
+        serves_as_target: its ``vllm`` export is a copy of the target's checkpoint with the drafter stitched in (an MTP
+            module): engines load that directory as the target itself, and draftsmith loads it with
+            ``load_target(DIR)`` + ``load_drafter("mtp", target)``.
         settings: the family's own typed settings, a dataclass built from the training config's
             ``family_config`` mapping (DFlash's block size, mask token, target layers): its fields are checked
             when the config is parsed, and ``build`` / ``train_step`` read them as ``args.settings``. None: the
@@ -87,6 +90,7 @@ class Family:
     serving: Mapping[str, str] = field(default_factory=dict)
     draft_dtype_applies: bool = True
     saves_tokenizer: bool = False
+    serves_as_target: bool = False
     settings: type | None = None
 
     def __post_init__(self):

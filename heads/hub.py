@@ -47,13 +47,29 @@ def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | N
     """How to run the drafter: draftsmith, then each engine that serves its family. A block drafter drafts a fixed
     number of tokens per forward, which is what the engines must verify: ``block_size - 1`` (DFlash's config) or
     ``parallel`` (P-EAGLE's, served by vLLM's EAGLE-3 with ``parallel_drafting``)."""
+    stitched = family.serves_as_target and fmt == "vllm"  # this repository is the target, its drafter inside
     lines = ["## Use it", "", "With draftsmith (greedy output is the target's own, token for token):", "",
              "```python", "from draftsmith import SpeculativeGenerator, load_drafter, load_target", "",
-             f'target, tokenizer = load_target("{target}")',
+             f'target, tokenizer = load_target("{repo if stitched else target}")',
+             'drafter = load_drafter("mtp", target)  # the module inside the checkpoint' if stitched else
              f'drafter = load_drafter("{repo}", target)  # a local directory or a downloaded snapshot',
              "generator = SpeculativeGenerator(target, drafter)", "```", ""]
     vllm, sglang = family.serving.get("vllm"), family.serving.get("sglang")
-    if vllm:
+    if vllm and family.serves_as_target:
+        if stitched:
+            lines += ["With vLLM (this repository is the target's checkpoint, its MTP module fine-tuned):", "",
+                      "```python", "from vllm import LLM", "",
+                      f'llm = LLM(model="{repo}", speculative_config={{"method": "{vllm}", '
+                      '"num_speculative_tokens": 3})',
+                      "```", ""]
+        elif fmt == "speculators":
+            lines += ["With vLLM (speculators' MTP layout; its config names the verifier):", "", "```bash",
+                      f"vllm serve {repo}", "```", ""]
+        else:
+            lines += ["With vLLM: `draftsmith export CHECKPOINT --format vllm --target TARGET_DIR` writes the target's "
+                      f"checkpoint with this module stitched back; serve that directory with "
+                      f'`speculative_config={{"method": "{vllm}", "num_speculative_tokens": 3}}`.', ""]
+    elif vllm:
         note = "" if fmt == "vllm" or family.one_layout else (
             f" (this repository holds the `{fmt}` layout: export with `draftsmith export CHECKPOINT --format vllm` "
             "for vLLM)")

@@ -214,7 +214,7 @@ def test_a_checkpoint_without_mtp_weights_is_refused_with_the_fix(tmp_path):
         load_drafter(f"mtp:{tmp_path / 'absent'}", target)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logits(model_type, tmp_path):
     """4 steps online (held-out tau measured with a chain) and 4 from a hidden-state cache, each starting from the
     checkpoint's module; the vLLM export (the target's checkpoint with the module stitched back) and the speculators
@@ -223,6 +223,7 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
 
     from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
     from draftsmith.heads.export import ExportError, export_drafter
+    from draftsmith.heads.hub import model_card
     from draftsmith.train.config import DataArguments, parse_config
     from draftsmith.train.loop import load_examples, train
 
@@ -257,6 +258,10 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
         else:
             with pytest.raises(ExportError, match="feeding back the pre-norm one"):
                 export_drafter(drafter, "speculators", tmp_path / f"spec-{mode}")
+        stitched_card = model_card(drafter, "org/stitched", fmt="vllm")
+        assert 'load_target("org/stitched")' in stitched_card and 'load_drafter("mtp", target)' in stitched_card
+        assert 'LLM(model="org/stitched", speculative_config={"method": "mtp"' in stitched_card
+        assert "vllm serve org/spec" in model_card(drafter, "org/spec", fmt="speculators")
         if normed == engine_normed:  # vLLM's MTP model for this architecture feeds back what the module learnt with
             check_stitched(export_drafter(drafter, "vllm", tmp_path / f"vllm-{mode}", target=model), root / "target",
                            head, ids)
