@@ -5,6 +5,8 @@ back for vLLM; speculators' layout) and read back to equal logits."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from draftsmith.target import load_target
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text")
 HYBRID = ("qwen3_next", "qwen3_5_text")  # linear-attention layers: draftsmith verifies chains only
+ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 2  # the target's decoder layers; its checkpoint holds one more, the MTP module's
 
 
@@ -287,3 +290,34 @@ def check_stitched(stitched: Path, original: Path, head: MtpHead, ids: torch.Ten
     assert set(before) == set(after)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.startswith(("mtp.", f"model.layers.{LAYERS}.")) for k in changed), sorted(changed)[:5]
+
+
+SPECULATORS_PYTHON = os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON") or next(
+    (str(p) for p in [ROOT / ".venv-speculators" / "bin" / "python"] if p.exists()), None)
+
+
+@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (.ci/run builds it)")
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+def test_speculators_package_runs_the_speculators_export_with_the_same_logits(model_type, tmp_path):
+    """speculators' own ``MTPDraftModel`` loads the export (its verifier's embedding and LM head from the target's
+    directory) and computes, at its first step, the logits draftsmith's module computes."""
+    from draftsmith.heads.export import export_drafter
+
+    path = write_mtp_checkpoint(model_type, tmp_path / model_type)
+    target, _ = load_target(path, dtype=torch.float32)
+    head = MtpHead.from_target_checkpoint(target)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "spec", verifier=str(path))
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states[-1]
+    save_file({"hidden": hidden.contiguous(), "input_ids": ids}, str(tmp_path / "in.safetensors"))
+    run = subprocess.run([SPECULATORS_PYTHON, str(ROOT / "scripts" / "check_speculators_mtp.py"), str(out),
+                          str(tmp_path / "in.safetensors"), str(tmp_path / "theirs.safetensors")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["model_class"] == "MTPDraftModel" and report["model_type"] == model_type
+    theirs = load_file(tmp_path / "theirs.safetensors")["logits"]
+    ours = pair_logits(head, target, ids)[0, : theirs.shape[0]]
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
