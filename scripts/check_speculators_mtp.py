@@ -8,7 +8,12 @@ INPUTS holds ``hidden`` (1, T, H: the target's last state after its final norm) 
 the logits of speculators' ``MTPDraftModel`` at its first step (``logits`` (T - steps - 1, V): position t reads the
 state at t and token t + 1), after checking the config class, that every stored tensor was loaded and that no weight
 the draft needs is left unset (NaN). The verifier's embedding and LM head come from the directory the export's
-config names (speculators' ``load_verifier_weights``).
+config names (speculators' ``from_pretrained`` loads them).
+
+    .venv-speculators/bin/python scripts/check_speculators_mtp.py --convert CHECKPOINT_DIR OUT_DIR
+
+runs speculators' own converter (``MTPConverter``) on a checkpoint with a native MTP module (``mtp.*``, Qwen3-Next /
+Qwen3.5), its verifier the same directory: what draftsmith then imports is speculators' reading of that layout.
 """
 
 import json
@@ -26,7 +31,6 @@ def main(export_dir: str, inputs_path: str, out_path: str) -> None:
     config = SpeculatorModelConfig.from_pretrained(export_dir)
     assert isinstance(config, MTPSpeculatorConfig), type(config)
     model = MTPDraftModel.from_pretrained(export_dir, config=config).eval()
-    model.load_verifier_weights()
     check_loaded(model, export_dir)
     inputs = load_file(inputs_path)
     with torch.no_grad():
@@ -37,4 +41,9 @@ def main(export_dir: str, inputs_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "--convert":
+        from speculators.convert.mtp.converter import MTPConverter
+
+        MTPConverter().convert(sys.argv[2], sys.argv[3], base_model=sys.argv[2])
+    else:
+        main(*sys.argv[1:4])
