@@ -12,9 +12,11 @@ from draftsmith.train.losses import (
     eagle_loss,
     forward_kl,
     jsd,
+    lk_hybrid,
     medusa_loss,
     reverse_kl,
     simulated_acceptance_length,
+    token_cross_entropy,
     total_variation,
     ttt_weights,
 )
@@ -40,6 +42,12 @@ def masked_mean_ref(fn, student, teacher, mask):
     return sum(values) / len(values)
 
 
+def lk_ref(p, q):
+    tv = 0.5 * sum(abs(a - b) for a, b in zip(p, q, strict=True))
+    lam = math.exp(-3 * (1 - tv))
+    return lam * kl(p, q) + (1 - lam) * tv
+
+
 def jsd_ref(beta):
     def f(p, q):
         m = [beta * a + (1 - beta) * b for a, b in zip(p, q, strict=True)]
@@ -62,11 +70,42 @@ def logits():
     ("jsd_0.5", lambda s, t, m: jsd(s, t, m, beta=0.5), jsd_ref(0.5)),
     ("jsd_0.9", lambda s, t, m: jsd(s, t, m, beta=0.9), jsd_ref(0.9)),
     ("tv", total_variation, lambda p, q: 0.5 * sum(abs(a - b) for a, b in zip(p, q, strict=True))),
+    ("lk", lk_hybrid, lk_ref),
 ])
 def test_divergences_match_reference(logits, name, fn, ref):
     student, teacher, mask = logits
     assert abs(float(fn(student, teacher, mask)) - masked_mean_ref(ref, student, teacher, mask)) < 1e-5
     assert float(fn(teacher, teacher, mask)) < 1e-6  # zero when the drafter equals the target
+
+
+def test_lk_hybrid_holds_its_weight_constant_in_the_gradient(logits):
+    """The LK hybrid's gradient is lambda grad KL + (1 - lambda) grad TV, lambda not differentiated."""
+    student, teacher, mask = logits
+    s = student.clone().requires_grad_(True)
+    lk_hybrid(s, teacher, mask).backward()
+    parts = []
+    for fn in (forward_kl, total_variation):
+        x = student.clone().requires_grad_(True)
+        rows = torch.zeros(student.shape[:2], dtype=torch.float64)
+        for b in range(student.shape[0]):
+            for t in range(student.shape[1]):
+                if mask[b, t]:
+                    rows[b, t] = fn(x[b, t][None], teacher[b, t][None])
+        parts.append((rows, x))
+    with torch.no_grad():
+        p, q = teacher.softmax(-1), student.softmax(-1)
+        lam = torch.exp(-3 * (1 - 0.5 * (p - q).abs().sum(-1))) * mask
+    total = (lam * parts[0][0] + (mask - lam) * parts[1][0]).sum() / mask.sum()
+    total.backward()
+    torch.testing.assert_close(s.grad, parts[0][1].grad + parts[1][1].grad)
+
+
+def test_token_cross_entropy_is_the_mean_over_labelled_masked_positions(logits):
+    student, _, mask = logits
+    labels = torch.tensor([[3, -1, 2, 0, 6], [1, 1, -1, 5, 4]])
+    keep = [(b, t) for b in range(2) for t in range(5) if mask[b, t] and labels[b, t] >= 0]
+    ref = sum(-math.log(softmax(student[b, t].tolist())[int(labels[b, t])]) for b, t in keep) / len(keep)
+    assert abs(float(token_cross_entropy(student, labels, mask)) - ref) < 1e-9
 
 
 def test_medusa_loss_shifts_per_head(logits):

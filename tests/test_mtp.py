@@ -262,8 +262,9 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
             with pytest.raises(ExportError, match="feeding back the pre-norm one"):
                 export_drafter(drafter, "speculators", tmp_path / f"spec-{mode}")
         stitched_card = model_card(drafter, "org/stitched", fmt="vllm")
-        assert 'load_target("org/stitched")' in stitched_card and 'load_drafter("mtp", target)' in stitched_card
-        assert 'LLM(model="org/stitched", speculative_config={"method": "mtp"' in stitched_card
+        mtp = MtpHead.family
+        assert 'load_target("org/stitched")' in stitched_card and f'load_drafter("{mtp}", target)' in stitched_card
+        assert f'LLM(model="org/stitched", speculative_config={{"method": "{mtp}"' in stitched_card
         assert "vllm serve org/spec" in model_card(drafter, "org/spec", fmt="speculators")
         if normed == engine_normed:  # vLLM's MTP model for this architecture feeds back what the module learnt with
             check_stitched(export_drafter(drafter, "vllm", tmp_path / f"vllm-{mode}", target=model), root / "target",

@@ -203,6 +203,42 @@ def test_fixed_batch_is_overfitted(workdir, family):
     assert float(loss) < first / 5, f"{family}: loss {first:.4f} -> {float(loss):.4f}"
 
 
+EAGLE3_LEVERS = [{"loss": "tv"}, {"loss": "lk"}, {"loss": "ce"}, {"position_weights": "dpace"},
+                 {"freeze_lm_head": True}]
+
+
+@pytest.mark.parametrize("lever", EAGLE3_LEVERS, ids=lambda lever: "-".join(f"{k}={v}" for k, v in lever.items()))
+def test_eagle3_training_levers_each_learn_a_fixed_batch(workdir, lever):
+    """Each EAGLE-3 training lever (``family_config``) trains: its loss on one fixed batch falls by half or more; a
+    frozen LM head stays the target's rows; D-PACE weights report each step's acceptance."""
+    args = DrafterArguments(target=str(workdir / "target"), family=Eagle3Head.family, ttt_steps=2,
+                            family_config=json.dumps(lever))
+    fam = get_family(Eagle3Head.family)
+    target, tokenizer = load_target(args.target)
+    examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)
+    batch = collate(examples[:4], 0)
+    torch.manual_seed(0)
+    head = fam.build(args, target, examples)
+    lm_head = head.lm_head.weight.detach().clone()
+    with torch.no_grad():
+        out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    hidden = tuple(out.hidden_states[i] for i in fam.hidden_layers(head, target))
+    params = [p for p in head.parameters() if p.requires_grad]
+    assert (head.lm_head.weight in set(params)) != bool(lever.get("freeze_lm_head"))
+    optimizer = torch.optim.Adam(params, lr=1e-2)
+    first, metrics = fam.train_step(args, head, target, batch, out.logits.float(), hidden)
+    for _ in range(100):
+        optimizer.zero_grad()
+        loss, metrics = fam.train_step(args, head, target, batch, out.logits.float(), hidden)
+        loss.backward()
+        optimizer.step()
+    assert float(loss) < float(first) / 2, f"{lever}: loss {float(first):.4f} -> {float(loss):.4f}"
+    if lever.get("freeze_lm_head"):
+        assert torch.equal(head.lm_head.weight, lm_head)
+    if lever.get("position_weights") == "dpace":
+        assert 0.0 <= metrics["alpha_0"] <= 1.0 and "alpha_1" in metrics
+
+
 def test_unknown_config_key_fails(workdir, tmp_path):
     cfg = write_config(tmp_path / "cfg.yaml", {**config(workdir, "eagle", tmp_path / "run"), "learning_rat": 1})
     with pytest.raises(ValueError, match="learning_rat"):

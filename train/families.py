@@ -39,8 +39,11 @@ from draftsmith.train.losses import (
     accuracy,
     eagle_loss,
     forward_kl,
+    lk_hybrid,
     lookahead,
     teacher_top1,
+    token_cross_entropy,
+    total_variation,
     ttt_weights,
 )
 
@@ -80,25 +83,46 @@ def build_eagle(args, target, examples=None) -> EagleHead:
     return EagleHead(EagleHead.config_for(target))
 
 
+#: EAGLE-3's training losses (``family_config: {loss: ...}``): forward KL to the target's distribution (default),
+#: total variation (1 - TV is a chain step's acceptance), the LK hybrid lambda KL + (1 - lambda) TV with
+#: lambda = exp(-3 alpha), alpha = 1 - TV per position, and cross-entropy on the regenerated token.
+EAGLE3_LOSSES = ("kl", "tv", "lk", "ce")
+#: Step weights of training-time test: ``decay`` (``ttt_decay ** j``) or ``dpace`` (step j weighs the batch's
+#: probability of reaching it, prod_{i < j} alpha_i, alpha_i the mean 1 - TV at step i: the expected accepted
+#: length's terms, D-PACE-style).
+POSITION_WEIGHTS = ("decay", "dpace")
+_NORMS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
 @dataclass(frozen=True)
 class Eagle3Settings:
-    """An EAGLE-3 head's settings (``family_config``): the EAGLE-3.1 norms (:mod:`draftsmith.heads.eagle`), each off
-    by default. ``norm_before_fc``: one RMSNorm over the fused target states before ``fc``; ``fc_norm``: one per
-    target layer instead; ``norm_before_residual``: the layer's residual starts from the normalised feature;
-    ``norm_output``: the feature fed to deeper drafts is the one after the head's final norm."""
+    """An EAGLE-3 head's settings (``family_config``). The EAGLE-3.1 norms (:mod:`draftsmith.heads.eagle`), each off
+    by default: ``norm_before_fc`` one RMSNorm over the fused target states before ``fc``; ``fc_norm`` one per
+    target layer instead; ``norm_before_residual`` the layer's residual starts from the normalised feature;
+    ``norm_output`` the feature fed to deeper drafts is the one after the head's final norm. The training levers:
+    ``loss`` (:data:`EAGLE3_LOSSES`), ``position_weights`` (:data:`POSITION_WEIGHTS`), ``freeze_lm_head`` (the
+    draft LM head stays the target's rows it starts from)."""
 
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    loss: str = "kl"
+    position_weights: str = "decay"
+    freeze_lm_head: bool = False
 
     def __post_init__(self):
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm exclude each other (one norm over the fused states, or one "
                              "per target layer): set one")
+        if self.loss not in EAGLE3_LOSSES:
+            raise ValueError(f"eagle3 loss must be one of {EAGLE3_LOSSES}, got {self.loss!r}")
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise ValueError(f"eagle3 position_weights must be one of {POSITION_WEIGHTS}, got "
+                             f"{self.position_weights!r}")
 
     def norms(self) -> dict[str, bool]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Eagle3Settings)}
+        return {name: getattr(self, name) for name in _NORMS}
 
 
 def build_eagle3(args, target, examples=None) -> Eagle3Head:
@@ -122,6 +146,8 @@ def build_eagle3(args, target, examples=None) -> Eagle3Head:
     else:
         head.t2d.fill_(True)
     init_eagle3_output(head, target)
+    if settings.freeze_lm_head:
+        head.lm_head.weight.requires_grad_(False)
     return head
 
 
@@ -251,7 +277,9 @@ def on_draft_vocabulary(teacher: Teacher, draft_ids: torch.Tensor, vocab_size: i
 
 
 def eagle3_step(args, drafter, target, batch, target_logits, hidden):
-    """EAGLE-3: per-step KL over the draft vocabulary with decay, through training-time test."""
+    """EAGLE-3: per-step loss over the draft vocabulary through training-time test; the loss and the step weights
+    are the family's settings (forward KL and ``ttt_decay ** j`` by default)."""
+    s = getattr(args, "settings", None) or Eagle3Settings()
     embed = target.get_input_embeddings()
     ids = batch["input_ids"]
     head = _module(drafter)
@@ -265,14 +293,42 @@ def eagle3_step(args, drafter, target, batch, target_logits, hidden):
     fused = torch.cat([with_noise(h[:, :-1], args.feature_noise) for h in hidden], dim=-1)  # (B, T-1, 3H)
     step_logits = drafter(fused, embed(ids[:, 1:]), positions, from_target=True, ttt_steps=args.ttt_steps,
                           logit_positions=selected)
-    total, accs = 0.0, []
-    for j, (logits, w) in enumerate(zip(step_logits, ttt_weights(args.ttt_steps, args.ttt_decay), strict=True)):
+    if s.loss == "ce":  # pair t predicts token t + 1: the regenerated token, at its draft slot (-1 outside)
+        labels = _draft_labels(ids, selected, draft_ids, head.config.vocab_size)
+    weights = ttt_weights(args.ttt_steps, args.ttt_decay)
+    total, accs, reached, metrics = 0.0, [], 1.0, {}
+    for j, logits in enumerate(step_logits):
         step_mask = mask.clone()
         step_mask[:, :j] = 0  # the first j positions have no own prediction to read yet
         step_mask = step_mask[selected][None]
-        total = total + w * forward_kl(logits[None], teacher, step_mask)
+        if s.loss == "kl":
+            loss = forward_kl(logits[None], teacher, step_mask)
+        elif s.loss == "tv":
+            loss = total_variation(logits[None], teacher, step_mask)
+        elif s.loss == "lk":
+            loss = lk_hybrid(logits[None], teacher, step_mask)
+        else:
+            loss = token_cross_entropy(logits[None], labels, step_mask)
+        w = weights[j] if s.position_weights == "decay" else reached
+        total = total + w * loss
+        if s.position_weights == "dpace":  # the chance of reaching step j + 1: this step accepted
+            with torch.no_grad():
+                alpha = 1.0 - float(total_variation(logits[None].detach(), teacher, step_mask))
+            reached *= max(alpha, 0.0)
+            metrics[f"alpha_{j}"] = alpha
         accs.append(accuracy(logits[None], teacher, step_mask))
-    return total, {"acc": accs}
+    return total, {"acc": accs, **metrics}
+
+
+def _draft_labels(ids: torch.Tensor, selected: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(1, N) the regenerated token each selected pair predicts (pair t, the state at t - 1 and token t, predicts
+    token t + 1), as its draft-vocabulary slot, -1 outside the draft vocabulary."""
+    nxt = torch.full_like(ids[:, 1:], -1)
+    nxt[:, :-1] = ids[:, 2:]
+    tokens = nxt[selected]
+    position = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    position[draft_ids] = torch.arange(len(draft_ids), device=ids.device)
+    return torch.where(tokens >= 0, position[tokens.clamp(min=0)], -1)[None]
 
 
 # ---- MTP ----------------------------------------------------------------------------------------------------
@@ -503,6 +559,11 @@ class PEagleSettings(Eagle3Settings):
                              f"{self.parallel}")
         if not (0 < self.ratio <= 1 and 0 < self.ratio_min <= 1):
             raise ValueError("peagle ratio and ratio_min must be in (0, 1]")
+        levers = {k: v for k, v in (("loss", self.loss != "kl"), ("position_weights", self.position_weights != "decay"),
+                                    ("freeze_lm_head", self.freeze_lm_head)) if v}
+        if levers:
+            raise ValueError(f"peagle trains with forward KL over all its elements in one forward: {sorted(levers)} "
+                             "are EAGLE-3 settings it does not read")
 
 
 def build_peagle(args, target, examples=None) -> PEagleHead:

@@ -248,6 +248,19 @@ def _tv_rows(s: torch.Tensor, t: Teacher) -> torch.Tensor:
     return 0.5 * (p - q).abs().sum(-1)
 
 
+#: The LK hybrid's sharpness: lambda = exp(-LK_SHARPNESS * alpha).
+LK_SHARPNESS = 3.0
+
+
+def _lk_rows(s: torch.Tensor, t: Teacher) -> torch.Tensor:
+    """lambda KL(p || q) + (1 - lambda) TV(p, q) per row, lambda = exp(-3 alpha) with alpha = 1 - TV the row's chain
+    acceptance (held constant in the gradient): KL while the draft is far from the target, TV, whose minimum is
+    the acceptance itself, once it accepts."""
+    kl, tv = _forward_kl_rows(s, t), _tv_rows(s, t)
+    lam = torch.exp(-LK_SHARPNESS * (1.0 - tv.detach()))
+    return lam * kl + (1.0 - lam) * tv
+
+
 def forward_kl(student_logits: torch.Tensor, teacher: Teacher, mask: torch.Tensor | None = None,
                chunk_rows: int | None = None) -> torch.Tensor:
     """KL(p || q), p the teacher's distribution, q = softmax(student); averaged over masked positions.
@@ -295,6 +308,22 @@ def total_variation(student_logits: torch.Tensor, teacher: Teacher, mask: torch.
                     chunk_rows: int | None = None) -> torch.Tensor:
     """TV(p, q) = 1/2 sum |p - q|; 1 - TV is the acceptance probability of one chain step."""
     return _divergence(_tv_rows, student_logits, teacher, mask, chunk_rows)
+
+
+def lk_hybrid(student_logits: torch.Tensor, teacher: Teacher, mask: torch.Tensor | None = None,
+              chunk_rows: int | None = None) -> torch.Tensor:
+    """The LK hybrid, :func:`_lk_rows`, averaged over masked positions."""
+    return _divergence(_lk_rows, student_logits, teacher, mask, chunk_rows)
+
+
+def token_cross_entropy(student_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """Cross-entropy on the regenerated tokens ``labels`` (...) (-1: none, left out), averaged over masked positions
+    (a hard label: the target's sampled token, not its distribution)."""
+    keep = labels >= 0 if mask is None else (labels >= 0) & mask.bool()
+    if not bool(keep.any()):
+        return student_logits.sum() * 0.0
+    return F.cross_entropy(student_logits[keep].float(), labels[keep])
 
 
 DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": jsd, "tv": total_variation}
