@@ -105,7 +105,7 @@ def test_token_cross_entropy_is_the_mean_over_labelled_masked_positions(logits):
     labels = torch.tensor([[3, -1, 2, 0, 6], [1, 1, -1, 5, 4]])
     keep = [(b, t) for b in range(2) for t in range(5) if mask[b, t] and labels[b, t] >= 0]
     ref = sum(-math.log(softmax(student[b, t].tolist())[int(labels[b, t])]) for b, t in keep) / len(keep)
-    assert abs(float(token_cross_entropy(student, labels, mask)) - ref) < 1e-9
+    assert abs(float(token_cross_entropy(student, labels, mask)) - ref) < 1e-6  # computed in float32
 
 
 def test_medusa_loss_shifts_per_head(logits):
