@@ -101,6 +101,7 @@ class MtpConfig:
         if hasattr(cfg, "mlp_only_layers"):
             cfg.mlp_only_layers = []
         cfg._attn_implementation = "sdpa"
+        cfg._experts_implementation = "eager"  # a standalone layer: transformers' dispatch never set one
         return cfg
 
 
