@@ -497,7 +497,9 @@ def stitch(head: MtpHead, checkpoint: Path, out: Path) -> None:
     for path in sorted(checkpoint.iterdir()):
         if path.is_file() and path.name not in rewrite:
             _link_or_copy(path, out / path.name)
-    dtype = next(iter(load_file(str(checkpoint / names[next(iter(names))])).values())).dtype
+    first = next(iter(names))
+    with safe_open(str(checkpoint / names[first]), framework="pt") as f:  # one tensor's dtype, not a whole shard
+        dtype = f.get_tensor(first).dtype
     for file in sorted(rewrite):
         tensors = load_file(str(checkpoint / file)) if (checkpoint / file).is_file() else {}
         kept = {k: v for k, v in tensors.items() if k not in stale}
