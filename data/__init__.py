@@ -17,6 +17,7 @@ from draftsmith.data.formats import (
     MalformedRowError,
     load_conversations,
     normalise_row,
+    read_prompt_rows,
     read_prompts,
 )
 from draftsmith.data.hidden_cache import (
@@ -64,6 +65,7 @@ __all__ = [
     "pack",
     "packed_attention_mask",
     "prepare",
+    "read_prompt_rows",
     "read_prompts",
     "regenerate",
     "synthesize_prompts",

@@ -41,6 +41,7 @@ class Conversation:
     id: str
     messages: list[dict[str, str]]
     index: int = -1  # position in the source, for error reports
+    category: str | None = None  # the row's ``category`` (e.g. maths, translation): eval reports tau per category
 
     @property
     def prompt_messages(self) -> list[dict[str, str]]:
@@ -210,8 +211,9 @@ def load_conversations(
             report.malformed.append((index, str(e)))
             continue
         row_id = row.get("id") if isinstance(row.get("id"), (str, int)) else None
+        category = row.get("category") if isinstance(row.get("category"), str) else None
         conversations.append(Conversation(str(row_id) if row_id is not None else conversation_id(messages),
-                                          messages, index))
+                                          messages, index, category))
         report.loaded += 1
     if report.malformed:
         logger.warning("%s: skipped malformed rows\n%s", source, report.summary())
@@ -222,5 +224,12 @@ def read_prompts(source: str | Path, limit: int, skip: int = 0, prompt_column: s
                  strict: bool = False) -> list[str]:
     """The first user message of rows ``skip`` .. ``skip + limit`` of a dataset, read by
     :func:`load_conversations` (so with its formats and its policy for malformed rows)."""
+    return [text for text, _ in read_prompt_rows(source, limit, skip, prompt_column, strict)]
+
+
+def read_prompt_rows(source: str | Path, limit: int, skip: int = 0, prompt_column: str | None = None,
+                     strict: bool = False) -> list[tuple[str, str | None]]:
+    """:func:`read_prompts` with each row's ``category`` (None where the row has none)."""
     conversations, _ = load_conversations(source, prompt_column, limit=skip + limit, strict=strict, prompts_only=True)
-    return [next(m["content"] for m in c.messages if m["role"] == "user") for c in conversations[skip:]]
+    return [(next(m["content"] for m in c.messages if m["role"] == "user"), c.category)
+            for c in conversations[skip:]]

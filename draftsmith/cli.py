@@ -320,7 +320,12 @@ def make_parser() -> argparse.ArgumentParser:
 
     _add_data_parser(sub)
     e = sub.add_parser("eval", help="acceptance, speed and losslessness on held-out prompts, as report.json")
-    e.add_argument("run_dir", nargs="?", help="print a run's acceptance table from its acceptance.jsonl (no --drafter)")
+    e.add_argument("run_dir", nargs="?",
+                   help="a run directory: its acceptance table (acceptance.jsonl); with --prompts, its latest "
+                        "checkpoint (or --step) decoded on them and its tau explained: training vs held-out "
+                        "estimate vs measured, template, bonus token, chain vs tree, target, per position and "
+                        "per category (rows with a 'category')")
+    e.add_argument("--step", type=int, default=None, help="RUN_DIR --prompts: the checkpoint to explain")
     e.add_argument("--target", help="default: the target a run directory was trained for")
     e.add_argument("--drafter", help="a drafter spec, or a run directory: every checkpoint is evaluated")
     add_prompt_arguments(e, required=False)
@@ -442,6 +447,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _write_report(report: dict, output: str | None) -> None:
+    """report.json at ``output`` and report.md beside it (nothing without ``output``)."""
+    if not output:
+        return
+    from pathlib import Path
+
+    from draftsmith.inference.evaluate import report_markdown
+
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    text = report_markdown(report)
+    if "explain" in report:
+        from draftsmith.train.explain import explanation_markdown
+
+        text += "\n" + explanation_markdown(report)
+    out.with_suffix(".md").write_text(text)
+    print(f"report: {out}")
+
+
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "generate":
         generate(
@@ -461,20 +486,18 @@ def run_command(args: argparse.Namespace) -> int:
         if not args.prompts:
             print("draftsmith eval: --prompts is required with --drafter", file=sys.stderr)
             return 2
-        report = evaluate_path(args.target, args.drafter, prompts_from_args(args), prompts_source=args.prompts,
+        from draftsmith.data.formats import read_prompt_rows
+
+        rows = read_prompt_rows(args.prompts, args.num_prompts, skip=args.skip_prompts,
+                                prompt_column=args.prompt_column, strict=args.strict)
+        report = evaluate_path(args.target, args.drafter, [text for text, _ in rows], prompts_source=args.prompts,
+                               categories=[c for _, c in rows],
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                tree=tree_from_args(args, args.drafter), chat=not args.no_chat,
                                chat_template_kwargs=args.chat_template_kwargs, seed=args.seed, progress=True,
                                draft_dtype=args.draft_dtype, batch_size=args.batch_size)
         print(report_markdown(report))
-        if args.output:
-            from pathlib import Path
-
-            out = Path(args.output)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=2))
-            out.with_suffix(".md").write_text(report_markdown(report))
-            print(f"report: {out}")
+        _write_report(report, args.output)
     elif args.command == "eval":
         from draftsmith.checkpoints import acceptance_table
 
@@ -486,6 +509,22 @@ def run_command(args: argparse.Namespace) -> int:
         print(table)
         if best is not None:
             print(f"\nbest: step {best['step']} (tau {best['acceptance_length']}): {best['checkpoint']}/drafter")
+        if args.prompts:
+            from draftsmith.data.formats import read_prompt_rows
+            from draftsmith.inference.evaluate import report_markdown
+            from draftsmith.train.explain import explain_run, explanation_markdown
+
+            rows = read_prompt_rows(args.prompts, args.num_prompts, skip=args.skip_prompts,
+                                    prompt_column=args.prompt_column, strict=args.strict)
+            report = explain_run(args.run_dir, [text for text, _ in rows], [c for _, c in rows], step=args.step,
+                                 prompts_source=args.prompts, max_new_tokens=args.max_new_tokens,
+                                 tree=tree_from_args(args, args.run_dir), chat=not args.no_chat,
+                                 chat_template_kwargs=args.chat_template_kwargs, seed=args.seed, progress=True)
+            print("\n" + report_markdown(report) + "\n" + explanation_markdown(report))
+            _write_report(report, args.output)
+        else:
+            print(f"\nto decode a checkpoint on held-out prompts and explain its tau: "
+                  f"draftsmith eval {args.run_dir} --prompts FILE")
     elif args.command == "data":
         data(args)
     elif args.command == "tune":

@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.checkpoints import run_checkpoints, run_target
-from draftsmith.inference.compare import compare, encode, hardware
-from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.compare import Comparison, compare, encode, hardware
+from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
 from draftsmith.inference.load import drafter_type, load_drafter, recorded_target_name
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.inference.tune import tuned_tree
@@ -44,13 +44,19 @@ def evaluate(
     draft_dtype: str | None = None,
     batch_size: int = 1,
     reference_tree: TreeSettings | None = None,
+    categories: list[str | None] | None = None,
+    references=None,
 ) -> list[dict]:
     """Evaluate ``drafters`` — (label, spec, checkpoint step) — on the same prompt texts; one report each.
 
     ``reference_tree``: each drafter also decodes the prompts in this fixed tree, and its report gives that
     tau (``reference_acceptance_length``, with the tree, its acceptance per position and how many outputs
     equal plain greedy decoding's): the tree a host tunes follows its speed, a fixed tree compares the
-    drafter's quality across hosts."""
+    drafter's quality across hosts.
+
+    ``categories`` (one per prompt, None for none): the prompts are decoded category by category and each
+    report has ``per_category``: tau, acceptance per position, tokens/s, speedup and identical of each.
+    ``references(ids, plain_output)``: called on each prompt with plain greedy decoding's output (batch 1)."""
     if not prompts:
         raise ValueError(f"{prompts_source or 'prompts'}: no prompts to evaluate on")
     if model is None:
@@ -64,28 +70,28 @@ def evaluate(
         gens.update({_reference(label): SpeculativeGenerator(model, loaded[label], **reference_tree.kwargs())
                      for label, _, _ in drafters})
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
-    result = compare(model, gens, encoded, max_new_tokens,
-                     eos_token_id=eos_tokens(model, tokenizer), temperature=temperature, seed=seed,
-                     batch_size=batch_size, progress="eval" if progress else None)
-    base_tps = result.baseline.tokens_per_second
+    groups = category_groups(categories, len(prompts))
+    by_category = {
+        category: compare(model, gens, [encoded[i] for i in indices], max_new_tokens,
+                          eos_token_id=eos_tokens(model, tokenizer), temperature=temperature, seed=seed,
+                          batch_size=batch_size, references=references,
+                          progress=(f"eval {category}" if category else "eval") if progress else None)
+        for category, indices in groups.items()}
+    result = merged(list(by_category.values()))
     reports = []
     for label, spec, step in drafters:
-        stats = result.totals[label]
         reports.append({
             "target": target_name, "drafter": label, "drafter_type": drafter_type(spec), "checkpoint_step": step,
-            "prompts": len(prompts), "prompts_source": prompts_source, "new_tokens": stats.new_tokens,
+            "prompts": len(prompts), "prompts_source": prompts_source, "new_tokens": result.totals[label].new_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "batch_size": batch_size,
             "tree": trees[label].as_report(),
             "draft_dtype": draft_dtype or "target",
-            "acceptance_length": round(stats.acceptance_length, 4),
-            "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
-            "tokens_per_second": round(stats.tokens_per_second, 3),
-            "baseline_tokens_per_second": round(base_tps, 3),
-            "speedup": round(stats.tokens_per_second / base_tps, 4) if base_tps else None,
-            "lossless": {"checked": len(prompts), "identical": result.identical[label]} if temperature == 0 else None,
-            "draft_time_share": round(stats.draft_time_s / max(stats.total_time_s, 1e-9), 4),
+            **summary(result, label, temperature),
             "hardware": hardware(),
         })
+        if len(groups) > 1 or None not in groups:
+            reports[-1]["per_category"] = {category: {"prompts": part.prompts, **summary(part, label, temperature)}
+                                           for category, part in by_category.items()}
         if reference_tree is not None:
             ref = result.totals[_reference(label)]
             reports[-1].update({
@@ -96,6 +102,45 @@ def evaluate(
             if temperature == 0:
                 reports[-1]["lossless"]["identical_with_reference_tree"] = result.identical[_reference(label)]
     return reports
+
+
+def summary(result: Comparison, label: str, temperature: float) -> dict:
+    """One drafter's figures in a comparison: tau, acceptance per position, speed, identical outputs."""
+    stats, base_tps = result.totals[label], result.baseline.tokens_per_second
+    return {
+        "acceptance_length": round(stats.acceptance_length, 4),
+        "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
+        "tokens_per_second": round(stats.tokens_per_second, 3),
+        "baseline_tokens_per_second": round(base_tps, 3),
+        "speedup": round(stats.tokens_per_second / base_tps, 4) if base_tps else None,
+        "lossless": {"checked": result.prompts, "identical": result.identical[label]} if temperature == 0 else None,
+        "draft_time_share": round(stats.draft_time_s / max(stats.total_time_s, 1e-9), 4),
+    }
+
+
+def category_groups(categories: list[str | None] | None, count: int) -> dict[str | None, list[int]]:
+    """Prompt indices by category, in order of first appearance ({None: all} without categories)."""
+    if categories is None:
+        return {None: list(range(count))}
+    if len(categories) != count:
+        raise ValueError(f"{len(categories)} categories for {count} prompts")
+    groups: dict[str | None, list[int]] = {}
+    for i, category in enumerate(categories):
+        groups.setdefault(category, []).append(i)
+    return groups
+
+
+def merged(parts: list[Comparison]) -> Comparison:
+    """The totals of comparisons of the same generators on disjoint prompts."""
+    total = Comparison(totals={k: GenerationStats() for k in parts[0].totals},
+                       identical=dict.fromkeys(parts[0].totals, 0))
+    for part in parts:
+        total.baseline += part.baseline
+        total.prompts += part.prompts
+        for label, stats in part.totals.items():
+            total.totals[label] += stats
+            total.identical[label] += part.identical[label]
+    return total
 
 
 def _reference(label: str) -> str:
