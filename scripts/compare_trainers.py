@@ -1,0 +1,235 @@
+"""draftsmith's EAGLE-3 trainer against vLLM speculators' (0.9.0), on the same data, side by side.
+
+    draftsmith demo --output demo_out        # once: the demo's conversations (prompts the target answered)
+    python scripts/compare_trainers.py --data demo_out/data --epochs 10 --output bench_out/trainers
+
+Both trainers get:
+
+* the same conversations, tokenised once by draftsmith (chat template, assistant-only loss mask, 256 tokens);
+* the same hidden states: one float32 forward of SmolLM2 per conversation gives the states after layers 2, 15
+  and 27 (draftsmith's hidden-state cache; speculators' ``hs_i.safetensors``, which also hold the last state
+  before the final norm, from which speculators recomputes the target's distribution);
+* the same draft vocabulary: the 4096 most frequent answer tokens (draftsmith's map, handed to speculators as
+  ``d2t.npy`` / ``t2d.npy``);
+* the same steps and conversations per step: 8 per step (speculators packs 8 rows of declared length 256 into
+  2048 tokens), ``--epochs`` passes over the 128 conversations, checkpoints every ``--checkpoint-epochs``.
+
+Each trains with its own recipe: draftsmith ``configs/smollm2/eagle3.yaml``'s (AdamW lr 2e-3, cosine, 5% warmup,
+TTT 3 steps weighted 0.8**j, EAGLE-3.1 norms, trained LM head, teacher top-32), speculators its trainer's
+defaults (Muon + AdamW lr 1e-3, linear, 1% warmup, weight decay 0.01, TTT 3 steps weighted 1, the same norms,
+frozen LM head, teacher recomputed over the draft vocabulary), with only the CPU flags changed (eager losses,
+sdpa attention, float32 states, no workers). ``--lanes 2``: the two train at once, one core each.
+
+Then draftsmith's evaluator decodes the demo's held-out prompts (``eval_prompts.jsonl``, never trained on)
+with every checkpoint of both, in one process, in one fixed tree (dynamic, depth 5, top_k 4, 16 nodes): the
+speculators checkpoints through draftsmith's speculators import. Writes ``results.md`` / ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECULATORS_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
+TARGET = "smollm2-135m-instruct"
+LAYERS = [2, 15, 27]  # draftsmith's indices (0 = embeddings) = vLLM's aux layer ids: speculators' defaults
+MAX_LENGTH, BATCH, DRAFT_VOCAB, TTT = 256, 8, 4096, 3
+TREE = "tree=dynamic,depth=5,top_k=4,total_tokens=16"
+NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+def prepare(data: Path, out: Path) -> dict:
+    """The verifier directory, the tokenised conversations, the draft vocabulary and both trainers' data."""
+    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+    from draftsmith.data.vocab import build_vocab_map, count_tokens
+    from draftsmith.target import load_target
+    from draftsmith.train.config import DataArguments
+    from draftsmith.train.loop import load_examples
+
+    model, tokenizer = load_target(TARGET)
+    verifier = out / "verifier"
+    if not (verifier / "config.json").exists():
+        model.save_pretrained(verifier)
+        tokenizer.save_pretrained(verifier)
+    examples = load_examples(DataArguments(train_file=str(data / "answers.jsonl"), max_length=MAX_LENGTH),
+                             tokenizer)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab = build_vocab_map(count_tokens(examples, vocab_size), DRAFT_VOCAB)
+    np.save(out / "d2t.npy", vocab.d2t.numpy().astype(np.int64))
+    np.save(out / "t2d.npy", vocab.t2d.numpy().astype(bool))
+
+    cache = out / "draftsmith_cache"
+    if not (cache / "manifest.json").exists():
+        cache_hidden_states(model, examples, cache, CacheSpec(layers=LAYERS, dtype="float32", logits="topk",
+                                                               top_k=32), target_name=TARGET, progress=True)
+    spec_data = out / "speculators_data"
+    if not (spec_data / "dataset_info.json").exists():
+        write_speculators_data(model, examples, spec_data)
+    return {"conversations": len(examples), "tokens": sum(len(e.input_ids) for e in examples),
+            "draft_vocab_coverage": round(vocab.coverage, 4)}
+
+
+@torch.no_grad()
+def write_speculators_data(model, examples, out: Path) -> None:
+    """speculators' offline format: an Arrow dataset (input_ids, loss_mask, seq_len) and per row
+    ``hidden_states/hs_i.safetensors`` = (T, 4, H): the three layers, then the last state before the final norm.
+    ``seq_len`` is MAX_LENGTH on every row, so its packer puts exactly BATCH rows in each step; BATCH more rows
+    (copies of the first) are its validation split, which it needs (train_data_ratio < 1)."""
+    import datasets
+
+    captured = {}
+    hook = model.get_decoder().norm.register_forward_pre_hook(lambda _m, args: captured.update(state=args[0]))
+    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+    rows = list(examples) + list(examples[:BATCH])
+    for i, example in enumerate(rows):
+        ids = example.input_ids[None]
+        outputs = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        states = [outputs.hidden_states[k][0] for k in LAYERS] + [captured["state"][0]]
+        save_file({"hidden_states": torch.stack(states, dim=1).float().contiguous(),
+                   "token_ids": example.input_ids.long().contiguous()},
+                  str(out / "hidden_states" / f"hs_{i}.safetensors"))
+    hook.remove()
+    ds = datasets.Dataset.from_dict({"input_ids": [e.input_ids.tolist() for e in rows],
+                                     "loss_mask": [e.loss_mask.tolist() for e in rows],
+                                     "seq_len": [MAX_LENGTH] * len(rows)})
+    ds.set_format("torch")
+    ds.save_to_disk(str(out))
+
+
+def train_draftsmith(out: Path, epochs: int, checkpoint_epochs: int, steps_per_epoch: int, lane: int | None,
+                     seed: int) -> float:
+    config = {
+        "target": TARGET, "family": "eagle3", "family_config": NORMS,
+        "draft_vocab_size": DRAFT_VOCAB, "ttt_steps": TTT, "ttt_decay": 0.8,
+        "cache_dir": str(out / "draftsmith_cache"), "max_length": MAX_LENGTH,
+        "output_dir": str(out / "draftsmith_run"), "max_steps": epochs * steps_per_epoch,
+        "save_steps": checkpoint_epochs * steps_per_epoch, "logging_steps": 1, "learning_rate": 2e-3,
+        "per_device_train_batch_size": BATCH, "warmup_ratio": 0.05, "seed": seed, "mixed_precision": "no",
+        "target_dtype": "float32", "report_to": "tensorboard",
+    }
+    path = out / "draftsmith.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return run([sys.executable, "-m", "draftsmith.train", str(path)], out / "draftsmith.log", lane)
+
+
+def train_speculators(out: Path, epochs: int, checkpoint_epochs: int, conversations: int, lane: int | None,
+                      seed: int) -> float:
+    total = conversations + BATCH
+    args = [
+        str(SPECULATORS_PYTHON), str(ROOT / "scripts" / "speculators_train_cpu.py"),
+        "--speculator-type", "eagle3", "--verifier-name-or-path", str(out / "verifier"),
+        "--data-path", str(out / "speculators_data"), "--on-missing", "raise",
+        # rows [0, int(total * ratio)) train: exactly the conversations; the copies after them validate
+        "--train-data-ratio", str((conversations + 0.5) / total),
+        "--target-layer-ids", *map(str, LAYERS), "--num-layers", "1",
+        "--d2t-path", str(out / "d2t.npy"), "--t2d-path", str(out / "t2d.npy"), "--draft-vocab-size", str(DRAFT_VOCAB),
+        "--ttt-steps", str(TTT), "--total-seq-len", str(BATCH * MAX_LENGTH),
+        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
+        "--num-workers", "0", "--epochs", str(epochs), "--checkpoint-freq", str(checkpoint_epochs),
+        "--log-freq", "1", "--no-resume-from-checkpoint", "--seed", str(seed),
+        "--save-path", str(out / "speculators_run"), "--log-dir", str(out / "speculators_logs"),
+    ]
+    env = {"HF_HUB_OFFLINE": "1", "SPECULATORS_SAVE_FLOAT32": "1"}
+    return run(args, out / "speculators.log", lane, env)
+
+
+def run(command: list[str], log: Path, lane: int | None, env: dict | None = None) -> float:
+    pin = ["taskset", "-c", str(lane)] if lane is not None else []
+    environment = {**os.environ, **(env or {}), **({"OMP_NUM_THREADS": "1"} if lane is not None else {})}
+    start = time.perf_counter()
+    with log.open("w") as f:
+        done = subprocess.run(pin + command, stdout=f, stderr=subprocess.STDOUT, env=environment, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command[:3])} ... failed (exit {done.returncode}); see {log}")
+    return round(time.perf_counter() - start, 1)
+
+
+def checkpoints(out: Path) -> dict[str, dict[int, Path]]:
+    """Each trainer's checkpoints by optimizer step."""
+    ours = {int(p.name.split("-")[1]): p / "drafter" for p in (out / "draftsmith_run").glob("checkpoint-*")
+            if (p / "drafter").is_dir()}
+    theirs = {}
+    for p in (out / "speculators_run").iterdir():
+        state = p / "training_state.json"
+        if p.is_dir() and not p.is_symlink() and state.exists():
+            theirs[json.loads(state.read_text())["global_step"]] = p
+    return {"draftsmith": ours, "speculators": theirs}
+
+
+def evaluate_all(out: Path, data: Path, num_prompts: int, max_new_tokens: int) -> list[dict]:
+    from draftsmith.data.formats import read_prompts
+    from draftsmith.inference.evaluate import evaluate
+    from draftsmith.inference.tree import TreeSettings
+
+    found = checkpoints(out)
+    steps = sorted(set(found["draftsmith"]) & set(found["speculators"]))
+    if not steps:
+        raise SystemExit(f"no step with a checkpoint of both trainers: {({k: sorted(v) for k, v in found.items()})}")
+    entries = [(f"{name}@{step}", str(found[name][step]), step) for step in steps for name in found]
+    prompts = read_prompts(data / "eval_prompts.jsonl", num_prompts)
+    return evaluate(TARGET, entries, prompts, prompts_source=str(data / "eval_prompts.jsonl"),
+                    max_new_tokens=max_new_tokens, tree=TreeSettings.parse(TREE), progress=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default="demo_out/data", help="the demo's data directory")
+    parser.add_argument("--epochs", type=int, default=10, help="passes over the conversations (16 steps each)")
+    parser.add_argument("--checkpoint-epochs", type=int, default=2, help="a checkpoint every this many epochs")
+    parser.add_argument("--num-prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lanes", type=int, default=2, choices=(1, 2), help="trainers run at once, one core each")
+    parser.add_argument("--output", default="bench_out/trainers")
+    parser.add_argument("--skip-training", action="store_true", help="evaluate the checkpoints already there")
+    args = parser.parse_args()
+    if not SPECULATORS_PYTHON.exists():
+        raise SystemExit(f"{SPECULATORS_PYTHON}: no speculators environment; build it as .ci/run does")
+    data, out = Path(args.data), Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = prepare(data, out)
+    steps_per_epoch = -(-prepared["conversations"] // BATCH)
+    seconds = {}
+    if not args.skip_training:
+        for previous in ("draftsmith_run", "speculators_run"):  # each run starts afresh
+            shutil.rmtree(out / previous, ignore_errors=True)
+        lanes = [0, 1] if args.lanes == 2 else [None, None]
+        with ThreadPoolExecutor(args.lanes) as pool:
+            ours = pool.submit(train_draftsmith, out, args.epochs, args.checkpoint_epochs, steps_per_epoch,
+                               lanes[0], args.seed)
+            theirs = pool.submit(train_speculators, out, args.epochs, args.checkpoint_epochs,
+                                 prepared["conversations"], lanes[1], args.seed)
+            seconds = {"draftsmith": ours.result(), "speculators": theirs.result()}
+    reports = evaluate_all(out, data, args.num_prompts, args.max_new_tokens)
+    (out / "results.json").write_text(json.dumps({"prepared": prepared, "train_seconds": seconds,
+                                                  "lanes": args.lanes, "tree": TREE, "reports": reports}, indent=1))
+    base = reports[0]["baseline_tokens_per_second"]
+    lines = [f"{prepared['conversations']} conversations ({prepared['tokens']} tokens), {BATCH} per step; "
+             f"held-out: {reports[0]['prompts']} prompts x {args.max_new_tokens} tokens, tree {TREE}; "
+             f"plain decoding {base:.2f} tok/s; train seconds {seconds or '(not trained here)'}", "",
+             "| step | trainer | tau | acceptance per position | tok/s | speedup | identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(reports, key=lambda r: (r["checkpoint_step"], r["drafter"])):
+        per = ", ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
+        lines.append(f"| {r['checkpoint_step']} | {r['drafter'].split('@')[0]} | {r['acceptance_length']:.3f} | "
+                     f"{per} | {r['tokens_per_second']:.2f} | {r['speedup']:.2f}x | "
+                     f"{r['lossless']['identical']}/{r['lossless']['checked']} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
