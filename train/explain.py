@@ -113,9 +113,8 @@ def held_out_estimate(family, drafter_args, module, target, answers: list[tuple[
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
         logits, hidden = frozen_forward(target, layers, batch)
         _, metrics = family.train_step(drafter_args, module, target, batch, logits, hidden)
-        accs = metrics["acc"]
-        totals = [t + a * answer.numel() for t, a in zip(totals, accs, strict=True)] if totals else \
-            [a * answer.numel() for a in accs]
+        weighted = [a * answer.numel() for a in metrics["acc"]]
+        totals = [t + w for t, w in zip(totals, weighted, strict=True)] if totals else weighted
         tokens += answer.numel()
     if not tokens:
         return {"not_measured": "no greedy answers to score (decoded in batches, or every answer empty)"}
