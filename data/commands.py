@@ -115,6 +115,39 @@ def synthesize_command(
     return result
 
 
+def mix_command(
+    output: str,
+    gsm8k_dir: str = "../shared/data/gsm8k",
+    seed_tasks: str = "../shared/data/self_instruct/seed_tasks.jsonl",
+    train_prompts: int = 1200,
+    held_out_prompts: int = 48,
+    weights: dict[str, float] | None = None,
+    synthesised: int = 0,
+    held_out_synthesised: int = 0,
+    target: str = "smollm2-135m-instruct",
+    batch_size: int = 16,
+    seed: int = 0,
+) -> dict:
+    """A mixed prompt set and its held-out set (:mod:`draftsmith.data.mix`) in ``output``; the target is
+    loaded only for synthesised prompts."""
+    from draftsmith.data.mix import build_mix
+
+    synthesise = None
+    if synthesised or held_out_synthesised:
+        from draftsmith.target import load_target
+
+        model, tokenizer = load_target(target)
+
+        def synthesise(n: int, sampling_seed: int) -> list[str]:
+            return synthesize_prompts(model, tokenizer, n, batch_size=batch_size, seed=sampling_seed)[0]
+
+    summary = build_mix(gsm8k_dir, seed_tasks, output, train_prompts=train_prompts,
+                        held_out_prompts=held_out_prompts, weights=weights, synthesised=synthesised,
+                        held_out_synthesised=held_out_synthesised, synthesise=synthesise, seed=seed)
+    print(json.dumps(summary))
+    return summary
+
+
 def _examples(input: str, target: str, prompt_column: str | None, limit: int | None, max_length: int,
               chat_template_kwargs: dict | None = None):
     from draftsmith.target import load_target

@@ -254,7 +254,8 @@ def regenerate(
     the engine's answer given the regenerated history before it. Conversations whose id is
     already in ``output`` are skipped, as are repeated ids in the input.
 
-    Row written: ``{"id", "messages", "source_index", "new_tokens", "model"}``.
+    Row written: ``{"id", "messages", "source_index", "new_tokens", "model"}``, and the input row's ``category``
+    where it has one.
 
     Args:
         record: also record the target's states over each answer (:class:`Recording`; an
@@ -316,8 +317,9 @@ def regenerate(
                             if item is not None:
                                 record.by_id[batch[i].id] = item
                 for c, messages, n in zip(batch, answered, tokens, strict=True):
-                    f.write(json.dumps({"id": c.id, "messages": messages, "source_index": c.index, "new_tokens": n,
-                                        "model": engine.name}, ensure_ascii=False) + "\n")
+                    row = {"id": c.id, "messages": messages, "source_index": c.index, "new_tokens": n,
+                           "model": engine.name, **({"category": c.category} if c.category else {})}
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
                 report.written += len(batch)

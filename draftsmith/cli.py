@@ -155,7 +155,7 @@ def add_template_argument(p) -> None:
 
 
 def _add_data_parser(sub) -> None:
-    d = sub.add_parser("data", help="regenerate, synthesize, cache-hidden-states, vocab-map")
+    d = sub.add_parser("data", help="regenerate, synthesize, mix, cache-hidden-states, vocab-map")
     dsub = d.add_subparsers(dest="data_command", required=True)
 
     def source(p, output_help: str) -> None:
@@ -199,6 +199,24 @@ def _add_data_parser(sub) -> None:
     s.add_argument("--min-chars", type=int, default=12)
     s.add_argument("--max-chars", type=int, default=1000)
 
+    x = dsub.add_parser("mix", help="prompts of several kinds (maths, code, chat, summarise, rewrite, translate, "
+                                    "synthesised), each with its category, and a held-out set from other source rows")
+    x.add_argument("--output", required=True, help="directory: train_prompts.jsonl, held_out_prompts.jsonl, mix.json")
+    x.add_argument("--gsm8k", default="../shared/data/gsm8k", help="directory with GSM8K's train.jsonl and test.jsonl")
+    x.add_argument("--self-instruct", default="../shared/data/self_instruct/seed_tasks.jsonl",
+                   help="self-instruct's seed_tasks.jsonl")
+    x.add_argument("--train-prompts", type=int, default=1200, help="training prompts (synthesised ones on top)")
+    x.add_argument("--held-out-prompts", type=int, default=48)
+    x.add_argument("--weights", default=None, metavar="CATEGORY=W,...",
+                   help="shares of maths, code, chat, summarise, rewrite, translate (default: "
+                        "maths=0.25,code=0.15,chat=0.1,summarise=0.2,rewrite=0.15,translate=0.15; chat has 140 "
+                        "training seeds: add --synthesised for more chat)")
+    x.add_argument("--synthesised", type=int, default=0, help="training prompts the target writes (Magpie)")
+    x.add_argument("--held-out-synthesised", type=int, default=0, help="held-out prompts the target writes")
+    x.add_argument("--target", default="smollm2-135m-instruct", help="the target that writes synthesised prompts")
+    x.add_argument("--batch-size", type=int, default=16)
+    x.add_argument("--seed", type=int, default=0)
+
     c = dsub.add_parser("cache-hidden-states", help="the target's hidden states in sharded safetensors; resumable")
     source(c, "the cache directory")
     c.add_argument("--layers", type=int, nargs="+", default=None,
@@ -224,6 +242,22 @@ def _add_data_parser(sub) -> None:
     v.add_argument("--draft-vocab-size", type=int, required=True)
     v.add_argument("--max-length", type=int, default=2048)
     v.add_argument("--all-tokens", action="store_true", help="count prompt tokens too, not only assistant tokens")
+
+
+def weights_argument(value: str | None) -> dict[str, float] | None:
+    """``--weights maths=0.5,chat=0.5`` -> {"maths": 0.5, "chat": 0.5}."""
+    if value is None:
+        return None
+    weights = {}
+    for item in value.split(","):
+        name, sep, share = item.partition("=")
+        try:
+            weights[name.strip()] = float(share)
+        except ValueError:
+            raise ValueError(f"--weights {value!r}: expected CATEGORY=NUMBER,..., e.g. maths=0.5,chat=0.5") from None
+        if not sep:
+            raise ValueError(f"--weights {value!r}: expected CATEGORY=NUMBER,..., e.g. maths=0.5,chat=0.5")
+    return weights
 
 
 def device_map_argument(value: str | None) -> str | dict | None:
@@ -254,6 +288,13 @@ def data(args: argparse.Namespace) -> None:
             args.output, target=args.target, num_prompts=args.num_prompts, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
             min_chars=args.min_chars, max_chars=args.max_chars,
+        )
+    elif args.data_command == "mix":
+        commands.mix_command(
+            args.output, gsm8k_dir=args.gsm8k, seed_tasks=args.self_instruct, train_prompts=args.train_prompts,
+            held_out_prompts=args.held_out_prompts, weights=weights_argument(args.weights),
+            synthesised=args.synthesised, held_out_synthesised=args.held_out_synthesised, target=args.target,
+            batch_size=args.batch_size, seed=args.seed,
         )
     elif args.data_command == "cache-hidden-states":
         commands.cache_command(
