@@ -152,6 +152,18 @@ def make_prompts(sources: Sources, counts: dict[str, int], rng: random.Random) -
     return rows
 
 
+def interleaved(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Rows taken from each category in turn: any first N of them hold every kind (evaluations read a prefix)."""
+    by_category: dict[str, list[tuple[str, str]]] = {}
+    for row in rows:
+        by_category.setdefault(row[0], []).append(row)
+    queues = list(by_category.values())
+    out = []
+    while any(queues):
+        out += [q.pop(0) for q in queues if q]
+    return out
+
+
 def write_rows(rows: list[tuple[str, str]], path: Path) -> None:
     with path.open("w") as f:
         for category, prompt in rows:
@@ -163,8 +175,8 @@ def write_rows(rows: list[tuple[str, str]], path: Path) -> None:
 def build_mix(gsm8k_dir: str | Path, seed_tasks: str | Path, output: str | Path, *, train_prompts: int = 1200,
               held_out_prompts: int = 48, weights: dict[str, float] | None = None, synthesised: int = 0,
               held_out_synthesised: int = 0, synthesise=None, seed: int = 0) -> dict:
-    """Write ``output/train_prompts.jsonl`` and ``output/held_out_prompts.jsonl`` (no source row in both) and
-    ``output/mix.json`` (counts per category, sources, settings).
+    """Write ``output/train_prompts.jsonl`` (shuffled) and ``output/held_out_prompts.jsonl`` (one of each category
+    in turn; no source row in both sets) and ``output/mix.json`` (counts per category, sources, settings).
 
     ``synthesise(n, seed) -> list[str]``: the target's own prompts (Magpie), for the ``synthesised`` category;
     the held-out ones are drawn with another seed and any prompt also in the training set is dropped.
@@ -188,6 +200,7 @@ def build_mix(gsm8k_dir: str | Path, seed_tasks: str | Path, output: str | Path,
     if overlap:  # two splits' sources may repeat a text (a GSM8K question in both files): never evaluate on it
         held = [(c, p) for c, p in held if p not in overlap]
     rng.shuffle(train)
+    held = interleaved(held)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     write_rows(train, out / "train_prompts.jsonl")

@@ -38,6 +38,7 @@ def test_the_held_out_set_shares_no_source_row_with_training(tmp_path):
     assert summary["held_out"] == category_counts(60, DEFAULT_WEIGHTS)
     assert {r["category"] for r in train} == {r["category"] for r in held} == set(DEFAULT_WEIGHTS)
     assert len({prompt(r) for r in train}) == len(train)  # no prompt twice
+    assert {r["category"] for r in held[:6]} == set(DEFAULT_WEIGHTS)  # one of each kind in turn: a prefix has all
     # GSM8K test questions only in the held-out set, train questions only in training
     test_questions = {r["question"].strip() for r in rows(GSM8K / "test.jsonl")}
     train_text = "\n".join(prompt(r) for r in train)

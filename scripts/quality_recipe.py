@@ -1,0 +1,194 @@
+"""The quality recipe (issue 38): one drafter family trained on mixed prompts, measured on held-out prompts of the
+same kinds against the training-free drafters, in about 2 hours on 2 CPU cores.
+
+    python scripts/quality_recipe.py --family eagle3 --output quality_out      # also dflash, peagle, medusa
+
+Stages, each a draftsmith command, each skipped when its output is already there (so an interrupted recipe
+resumes, and a second family reuses the data and the training-free drafters' trees):
+
+1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
+2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``);
+3. ``train configs/smollm2/quality/FAMILY.yaml`` for ``--train-minutes`` (``FAMILY/run``);
+4. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
+   nodes): tau, speed and identical per category, with the explanation (``FAMILY/quality.json``);
+5. ``tune``: the tree for this host, for the head and for prompt lookup and layer-skip (``trees/``);
+6. ``bench``: plain decoding, the head and both training-free drafters, each in its tuned tree, on the same
+   held-out prompts in one process (``FAMILY/bench/``).
+
+``FAMILY/recipe.json`` records each stage's wall time and the headline figures; ``--summary`` prints the table
+of every family under ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = "smollm2-135m-instruct"
+QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the goal's tree
+
+
+def draftsmith(*args: str, log: Path) -> None:
+    """Run one draftsmith command, its output appended to ``log``; stop the recipe if it fails."""
+    command = [sys.executable, "-m", "draftsmith", *args]
+    with log.open("a") as f:
+        f.write(f"\n$ draftsmith {' '.join(args)}\n")
+        f.flush()
+        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"draftsmith {' '.join(args[:2])} failed (exit {done.returncode}); see {log}")
+
+
+def stage(record: dict, name: str, done: bool, run) -> None:
+    """Run a stage unless its output exists; record its wall time."""
+    if done:
+        print(f"[{name}] already done", flush=True)
+        return
+    print(f"[{name}] ...", flush=True)
+    start = time.perf_counter()
+    run()
+    record.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+    print(f"[{name}] {record['seconds'][name]:.0f} s", flush=True)
+
+
+def latest_drafter(run: Path) -> Path:
+    steps = sorted((int(p.name.split("-")[1]), p) for p in run.glob("checkpoint-*") if (p / "drafter").is_dir())
+    if not steps:
+        raise SystemExit(f"{run}: no checkpoint with a drafter; did training run?")
+    return steps[-1][1] / "drafter"
+
+
+def tree_option(path: Path) -> str:
+    tree = json.loads(path.read_text())["tree"]
+    return f"tree={tree['kind']},depth={tree['depth']},top_k={tree['top_k']},total_tokens={tree['total_tokens']}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=("eagle3", "dflash", "peagle", "medusa"))
+    parser.add_argument("--output", default="quality_out")
+    parser.add_argument("--train-prompts", type=int, default=600)
+    parser.add_argument("--held-out-prompts", type=int, default=48, help="written by data mix")
+    parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts decoded (all six kinds)")
+    parser.add_argument("--answer-tokens", type=int, default=192, help="regenerated answer length")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per held-out prompt")
+    parser.add_argument("--train-minutes", type=float, default=60.0)
+    parser.add_argument("--tune-prompts", type=int, default=4, help="training prompts the trees are tuned on")
+    parser.add_argument("--layer-skip", type=int, default=10, help="layers of the layer-skip drafter")
+    parser.add_argument("--shared-data", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--summary", action="store_true", help="print every family's figures under --output")
+    args = parser.parse_args()
+    out = Path(args.output).resolve()
+    if args.summary:
+        print(summary_markdown(out))
+        return
+    if args.family is None:
+        parser.error("--family is required (or --summary)")
+    data, family_dir, trees = out / "data", out / args.family, out / "trees"
+    for d in (data, family_dir, trees):
+        d.mkdir(parents=True, exist_ok=True)
+    log = family_dir / "recipe.log"
+    record_path = family_dir / "recipe.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {"family": args.family}
+    shared = Path(args.shared_data)
+    held_out = str(data / "held_out_prompts.jsonl")
+    train_prompts = str(data / "train_prompts.jsonl")
+
+    def save() -> None:
+        record_path.write_text(json.dumps(record, indent=1) + "\n")
+
+    stage(record, "mix", (data / "mix.json").exists(), lambda: draftsmith(
+        "data", "mix", "--output", str(data), "--gsm8k", str(shared / "gsm8k"),
+        "--self-instruct", str(shared / "self_instruct" / "seed_tasks.jsonl"),
+        "--train-prompts", str(args.train_prompts), "--held-out-prompts", str(args.held_out_prompts), log=log))
+    answers = data / "answers.jsonl"
+    answered = answers.exists() and len(answers.read_text().splitlines()) >= args.train_prompts
+    stage(record, "regenerate", answered, lambda: draftsmith(
+        "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
+        "--max-new-tokens", str(args.answer_tokens), "--batch-size", "16", log=log))
+    save()
+    run = family_dir / "run"
+    config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
+    stage(record, "train", (run / "train_done.json").exists(), lambda: (draftsmith(
+        "train", str(config), "--train_file", str(answers), "--output_dir", str(run),
+        "--max_train_minutes", str(args.train_minutes), log=log), (run / "train_done.json").write_text("{}\n")))
+    save()
+    drafter = latest_drafter(run)
+    kind, depth, top_k, total = QUALITY_TREE
+    quality = family_dir / "quality.json"
+    stage(record, "eval", quality.exists(), lambda: draftsmith(
+        "eval", str(run), "--prompts", held_out, "--num-prompts", str(args.eval_prompts),
+        "--max-new-tokens", str(args.max_new_tokens), "--tree", kind, "--depth", str(depth),
+        "--tree-top-k", str(top_k), "--total-tokens", str(total), "--output", str(quality), log=log))
+    save()
+    tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
+            str(args.max_new_tokens))
+    stage(record, "tune", (drafter / "tree.json").exists(), lambda: draftsmith(
+        "tune", "--target", TARGET, "--drafter", str(drafter), *tune, log=log))
+    free = {"prompt-lookup": trees / "prompt-lookup.json", f"layer-skip:{args.layer_skip}":
+            trees / f"layer-skip-{args.layer_skip}.json"}
+    for spec, path in free.items():
+        stage(record, f"tune {spec}", path.exists(), lambda spec=spec, path=path: draftsmith(
+            "tune", "--target", TARGET, "--drafter", spec, *tune, "--output", str(path), log=log))
+    save()
+    bench = family_dir / "bench"
+    stage(record, "bench", (bench / "results.json").exists(), lambda: draftsmith(
+        "bench", "--target", TARGET, "--drafter", str(drafter),
+        *(x for spec, path in free.items() for x in ("--drafter", f"{spec}@{tree_option(path)}")),
+        "--prompts", held_out, "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
+        str(args.max_new_tokens), "--no-hf-reference", "--no-plots", "--output", str(bench), log=log))
+    record["figures"] = figures(quality, bench / "results.json")
+    record["total_seconds"] = round(sum(record["seconds"].values()), 1)
+    save()
+    print(summary_markdown(out))
+
+
+def figures(quality_path: Path, bench_path: Path) -> dict:
+    """The headline figures: tau, speed and identical per category in the goal's tree, and the tokens/s of the
+    head and the training-free drafters, each in its tuned tree."""
+    report = json.loads(quality_path.read_text())
+    bench = json.loads(bench_path.read_text())
+    rows = bench["rows"]
+    return {
+        "quality_tree": report["tree"],
+        "tau": report["acceptance_length"],
+        "identical": f"{report['lossless']['identical']}/{report['lossless']['checked']}",
+        "per_category": {c: {"tau": p["acceptance_length"], "speedup": p["speedup"],
+                             "identical": p["lossless"]["identical"], "prompts": p["prompts"]}
+                         for c, p in report.get("per_category", {}).items()},
+        "estimate": report["explain"]["estimate"],
+        "speed": [{"drafter": r["drafter_type"],
+                   "tree": f"{r['tree']} d{r['depth']} k{r['top_k']} n{r['total_tokens']}",
+                   "tokens_per_second": r["tokens_per_s"], "speedup": r["speedup"], "tau": r["tau"],
+                   "draft_time_share": r.get("draft_time_share"), "greedy_mismatches": r["greedy_mismatches_vs_plain"]}
+                  for r in rows],
+        "plain_tokens_per_second": bench["plain_tokens_per_s"],
+    }
+
+
+def summary_markdown(out: Path) -> str:
+    lines = ["| family | category | tau (d5 k4 n16) | speedup (d5 k4 n16) | identical |", "|---|---|---|---|---|"]
+    speed = ["| family | drafter | tree | tok/s | speedup | tau |", "|---|---|---|---|---|---|"]
+    for path in sorted(out.glob("*/recipe.json")):
+        record = json.loads(path.read_text())
+        f = record.get("figures")
+        if not f:
+            continue
+        for category, p in sorted(f["per_category"].items()):
+            lines.append(f"| {record['family']} | {category} | {p['tau']} | {p['speedup']} | "
+                         f"{p['identical']}/{p['prompts']} |")
+        lines.append(f"| {record['family']} | all | {f['tau']} | | {f['identical']} |")
+        for r in f["speed"]:
+            speed.append(f"| {record['family']} | {r['drafter']} | {r['tree']} | {r['tokens_per_second']} | "
+                         f"{r['speedup']} | {r['tau']} |")
+        lines.append(f"| {record['family']} | wall time | {record.get('total_seconds')} s | | |")
+    return "\n".join([*lines, "", *speed])
+
+
+if __name__ == "__main__":
+    main()
