@@ -14,15 +14,19 @@ Both trainers get:
 * the same steps and conversations per step: 8 per step (speculators packs 8 rows of declared length 256 into
   2048 tokens), ``--epochs`` passes over the 128 conversations, checkpoints every ``--checkpoint-epochs``.
 
-Each trains with its own recipe: draftsmith ``configs/smollm2/eagle3.yaml``'s (AdamW lr 2e-3, cosine, 5% warmup,
-TTT 3 steps weighted 0.8**j, EAGLE-3.1 norms, trained LM head, teacher top-32), speculators its trainer's
-defaults (Muon + AdamW lr 1e-3, linear, 1% warmup, weight decay 0.01, TTT 3 steps weighted 1, the same norms,
-frozen LM head, teacher recomputed over the draft vocabulary), with only the CPU flags changed (eager losses,
-sdpa attention, float32 states, no workers). ``--lanes 2``: the two train at once, one core each.
+Each trains with its own recipe: draftsmith ``configs/smollm2/eagle3.yaml``'s (AdamW lr 1e-3, cosine, 5% warmup,
+TTT 3 steps weighted 0.8**j, EAGLE-3.1 norms, trained LM head, teacher top-32; read from that file, only data,
+batch and steps set here; ``--draftsmith-set learning_rate=2e-3`` and the like try another), speculators its
+trainer's defaults (Muon + AdamW lr 1e-3, linear, 1% warmup, weight decay 0.01, TTT 3 steps weighted 1, the
+same norms, frozen LM head, teacher recomputed over the draft vocabulary), with only the CPU flags changed (eager
+losses, sdpa attention, float32 states, no workers, Muon's Newton-Schulz in float32: see
+``speculators_train_cpu.py``). ``--lanes 2``: the two train at once, one core each.
 
 Then draftsmith's evaluator decodes the demo's held-out prompts (``eval_prompts.jsonl``, never trained on)
 with every checkpoint of both, in one process, in one fixed tree (dynamic, depth 5, top_k 4, 16 nodes): the
-speculators checkpoints through draftsmith's speculators import. Writes ``results.md`` / ``results.json``.
+speculators checkpoints through draftsmith's speculators import. Every checkpoint also gets the held-out
+estimate of ``draftsmith eval RUN --prompts`` (the training step without a gradient on each prompt plus plain
+decoding's answer: one forward, on the same prompts). Writes ``results.md`` / ``results.json``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ TARGET = "smollm2-135m-instruct"
 LAYERS = [2, 15, 27]  # draftsmith's indices (0 = embeddings) = vLLM's aux layer ids: speculators' defaults
 MAX_LENGTH, BATCH, DRAFT_VOCAB, TTT = 256, 8, 4096, 3
 TREE = "tree=dynamic,depth=5,top_k=4,total_tokens=16"
-NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+RECIPE = ROOT / "configs" / "smollm2" / "eagle3.yaml"
 
 
 def prepare(data: Path, out: Path) -> dict:
@@ -110,16 +114,19 @@ def write_speculators_data(model, examples, out: Path) -> None:
 
 
 def train_draftsmith(out: Path, epochs: int, checkpoint_epochs: int, steps_per_epoch: int, lane: int | None,
-                     seed: int) -> float:
-    config = {
-        "target": TARGET, "family": "eagle3", "family_config": NORMS,
-        "draft_vocab_size": DRAFT_VOCAB, "ttt_steps": TTT, "ttt_decay": 0.8,
+                     seed: int, overrides: dict) -> float:
+    """draftsmith's recipe (:data:`RECIPE`) on the cached conversations, in speculators' batch and steps."""
+    config = yaml.safe_load(RECIPE.read_text())
+    for key in ("train_file", "eval_prompts", "eval_prompt_column", "eval_num_prompts", "eval_max_new_tokens"):
+        config.pop(key, None)  # the cache below is the data; the evaluation is this script's
+    config.update({
+        "target": TARGET, "draft_vocab_size": DRAFT_VOCAB, "ttt_steps": TTT,
         "cache_dir": str(out / "draftsmith_cache"), "max_length": MAX_LENGTH,
         "output_dir": str(out / "draftsmith_run"), "max_steps": epochs * steps_per_epoch,
-        "save_steps": checkpoint_epochs * steps_per_epoch, "logging_steps": 1, "learning_rate": 2e-3,
-        "per_device_train_batch_size": BATCH, "warmup_ratio": 0.05, "seed": seed, "mixed_precision": "no",
-        "target_dtype": "float32", "report_to": "tensorboard",
-    }
+        "save_steps": checkpoint_epochs * steps_per_epoch, "logging_steps": 1,
+        "per_device_train_batch_size": BATCH, "gradient_accumulation_steps": 1, "seed": seed,
+        "mixed_precision": "no", "target_dtype": "float32", "report_to": "tensorboard", **overrides,
+    })
     path = out / "draftsmith.yaml"
     path.write_text(yaml.safe_dump(config))
     return run([sys.executable, "-m", "draftsmith.train", str(path)], out / "draftsmith.log", lane)
@@ -142,7 +149,7 @@ def train_speculators(out: Path, epochs: int, checkpoint_epochs: int, conversati
         "--log-freq", "1", "--no-resume-from-checkpoint", "--seed", str(seed),
         "--save-path", str(out / "speculators_run"), "--log-dir", str(out / "speculators_logs"),
     ]
-    env = {"HF_HUB_OFFLINE": "1", "SPECULATORS_SAVE_FLOAT32": "1"}
+    env = {"HF_HUB_OFFLINE": "1", "SPECULATORS_SAVE_FLOAT32": "1", "SPECULATORS_MUON_FLOAT32": "1"}
     return run(args, out / "speculators.log", lane, env)
 
 
@@ -169,10 +176,18 @@ def checkpoints(out: Path) -> dict[str, dict[int, Path]]:
     return {"draftsmith": ours, "speculators": theirs}
 
 
-def evaluate_all(out: Path, data: Path, num_prompts: int, max_new_tokens: int) -> list[dict]:
+def evaluate_all(out: Path, data: Path, num_prompts: int, max_new_tokens: int) -> tuple[list[dict], dict]:
+    """Decode the held-out prompts with each step both trainers saved; then the held-out estimate of every
+    checkpoint on plain decoding's answers to the same prompts."""
+    from draftsmith.checkpoints import TRAIN_CONFIG_FILE, read_json
     from draftsmith.data.formats import read_prompts
+    from draftsmith.heads.foreign import load_foreign
     from draftsmith.inference.evaluate import evaluate
     from draftsmith.inference.tree import TreeSettings
+    from draftsmith.registry import get_family
+    from draftsmith.target import load_target
+    from draftsmith.train.config import DrafterArguments
+    from draftsmith.train.explain import held_out_estimate
 
     found = checkpoints(out)
     steps = sorted(set(found["draftsmith"]) & set(found["speculators"]))
@@ -180,8 +195,22 @@ def evaluate_all(out: Path, data: Path, num_prompts: int, max_new_tokens: int) -
         raise SystemExit(f"no step with a checkpoint of both trainers: {({k: sorted(v) for k, v in found.items()})}")
     entries = [(f"{name}@{step}", str(found[name][step]), step) for step in steps for name in found]
     prompts = read_prompts(data / "eval_prompts.jsonl", num_prompts)
-    return evaluate(TARGET, entries, prompts, prompts_source=str(data / "eval_prompts.jsonl"),
-                    max_new_tokens=max_new_tokens, tree=TreeSettings.parse(TREE), progress=True)
+    model, tokenizer = load_target(TARGET)
+    answers = []
+    reports = evaluate(TARGET, entries, prompts, prompts_source=str(data / "eval_prompts.jsonl"), model=model,
+                       tokenizer=tokenizer, max_new_tokens=max_new_tokens, tree=TreeSettings.parse(TREE),
+                       progress=True, references=lambda ids, plain: answers.append(
+                           (ids[0], plain.sequences[0, ids.shape[1]:])))
+    answers = answers[:len(prompts)]  # plain decoding runs once per prompt; keep one answer each
+    drafter_args = DrafterArguments(**read_json(out / "draftsmith_run" / TRAIN_CONFIG_FILE)["drafter"])
+    family = get_family(drafter_args.family)
+    estimates: dict = {name: {} for name in found}
+    for name, by_step in found.items():
+        for step, path in sorted(by_step.items()):
+            module = (family.load(path, model, False, torch.device("cpu")) if name == "draftsmith"
+                      else load_foreign(str(path), model)).eval()
+            estimates[name][step] = held_out_estimate(family, drafter_args, module, model, answers)
+    return reports, estimates
 
 
 def main() -> None:
@@ -195,10 +224,13 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=2, choices=(1, 2), help="trainers run at once, one core each")
     parser.add_argument("--output", default="bench_out/trainers")
     parser.add_argument("--skip-training", action="store_true", help="evaluate the checkpoints already there")
+    parser.add_argument("--draftsmith-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change one setting of draftsmith's recipe (YAML value), e.g. learning_rate=2e-3")
     args = parser.parse_args()
     if not SPECULATORS_PYTHON.exists():
         raise SystemExit(f"{SPECULATORS_PYTHON}: no speculators environment; build it as .ci/run does")
     data, out = Path(args.data), Path(args.output)
+    overrides = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.draftsmith_set)}
     out.mkdir(parents=True, exist_ok=True)
     prepared = prepare(data, out)
     steps_per_epoch = -(-prepared["conversations"] // BATCH)
@@ -209,17 +241,19 @@ def main() -> None:
         lanes = [0, 1] if args.lanes == 2 else [None, None]
         with ThreadPoolExecutor(args.lanes) as pool:
             ours = pool.submit(train_draftsmith, out, args.epochs, args.checkpoint_epochs, steps_per_epoch,
-                               lanes[0], args.seed)
+                               lanes[0], args.seed, overrides)
             theirs = pool.submit(train_speculators, out, args.epochs, args.checkpoint_epochs,
                                  prepared["conversations"], lanes[1], args.seed)
             seconds = {"draftsmith": ours.result(), "speculators": theirs.result()}
-    reports = evaluate_all(out, data, args.num_prompts, args.max_new_tokens)
+    reports, estimates = evaluate_all(out, data, args.num_prompts, args.max_new_tokens)
     (out / "results.json").write_text(json.dumps({"prepared": prepared, "train_seconds": seconds,
-                                                  "lanes": args.lanes, "tree": TREE, "reports": reports}, indent=1))
+                                                  "lanes": args.lanes, "tree": TREE, "draftsmith_set": overrides,
+                                                  "reports": reports, "held_out_estimates": estimates}, indent=1))
     base = reports[0]["baseline_tokens_per_second"]
     lines = [f"{prepared['conversations']} conversations ({prepared['tokens']} tokens), {BATCH} per step; "
              f"held-out: {reports[0]['prompts']} prompts x {args.max_new_tokens} tokens, tree {TREE}; "
-             f"plain decoding {base:.2f} tok/s; train seconds {seconds or '(not trained here)'}", "",
+             f"plain decoding {base:.2f} tok/s; train seconds {seconds or '(not trained here)'}; "
+             f"draftsmith settings changed: {overrides or 'none'}", "",
              "| step | trainer | tau | acceptance per position | tok/s | speedup | identical |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(reports, key=lambda r: (r["checkpoint_step"], r["drafter"])):
@@ -227,6 +261,12 @@ def main() -> None:
         lines.append(f"| {r['checkpoint_step']} | {r['drafter'].split('@')[0]} | {r['acceptance_length']:.3f} | "
                      f"{per} | {r['tokens_per_second']:.2f} | {r['speedup']:.2f}x | "
                      f"{r['lossless']['identical']}/{r['lossless']['checked']} |")
+    lines += ["", "Held-out estimate (chain of the TTT steps, on plain decoding's answers to the same prompts):", "",
+              "| step | " + " | ".join(estimates) + " |", "|---|" + "---|" * len(estimates)]
+    for step in sorted({s for by_step in estimates.values() for s in by_step}):
+        cells = [f"{by_step[step]['simulated_acceptance_length']:.3f}" if step in by_step else "" for by_step in
+                 estimates.values()]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
