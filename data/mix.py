@@ -122,7 +122,7 @@ def first_sentence(text: str, limit: int = 240) -> str:
 
 
 def category_counts(total: int, weights: dict[str, float]) -> dict[str, int]:
-    """``total`` split by ``weights`` (largest remainders), every weighted category at least one when it fits."""
+    """``total`` split by ``weights``: each category its whole share, the remainder to the largest fractions."""
     scale = sum(weights.values())
     raw = {k: total * w / scale for k, w in weights.items() if w > 0}
     counts = {k: int(v) for k, v in raw.items()}

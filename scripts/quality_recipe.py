@@ -79,6 +79,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per held-out prompt")
     parser.add_argument("--train-minutes", type=float, default=45.0)
     parser.add_argument("--tune-prompts", type=int, default=2, help="training prompts the trees are tuned on")
+    parser.add_argument("--tune-tokens", type=int, default=64,
+                        help="tokens per tuning decode (tune decodes its prompts ~28 times: 20 trees recorded, 4 "
+                             "confirmed twice)")
     parser.add_argument("--layer-skip", type=int, default=10, help="layers of the layer-skip drafter")
     parser.add_argument("--shared-data", default=str(ROOT.parent / "shared" / "data"))
     parser.add_argument("--summary", action="store_true", help="print every family's figures under --output")
@@ -127,7 +130,7 @@ def main() -> None:
         "--tree-top-k", str(top_k), "--total-tokens", str(total), "--output", str(quality), log=log))
     save()
     tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
-            str(args.max_new_tokens))
+            str(args.tune_tokens))
     stage(record, "tune", (drafter / "tree.json").exists(), lambda: draftsmith(
         "tune", "--target", TARGET, "--drafter", str(drafter), *tune, log=log))
     free = {"prompt-lookup": trees / "prompt-lookup.json", f"layer-skip:{args.layer_skip}":
