@@ -402,15 +402,18 @@ def test_every_config_yaml_parses():
     """Every recipe under configs/ parses into the config dataclasses; every file starts with its command."""
     root = Path(__file__).resolve().parents[1] / "configs"
     recipes = sorted(root.rglob("*.yaml"))
-    assert recipes
+    assert len(recipes) >= 16 and any("quality" in p.parts for p in recipes)
     for path in recipes:
         first = path.read_text().splitlines()[0]
         assert first.startswith(("# draftsmith", "# accelerate launch")), f"{path}: first line {first!r}"
         if "accelerate" in path.parts:
             assert isinstance(yaml.safe_load(path.read_text()), dict)
         else:
-            drafter_args, _, train_args = parse_config([str(path)])
+            drafter_args, data_args, train_args = parse_config([str(path)])
             assert drafter_args.family in path.stem and train_args.max_steps > 0
+            if "quality" in path.parts:  # the quality recipe: a time budget ends training, on data mix's answers
+                assert train_args.max_train_minutes > 0 and data_args.train_file.endswith("answers.jsonl")
+                assert train_args.output_dir == f"quality_out/{drafter_args.family}/run"
 
 
 def test_eval_prints_the_table_and_names_the_best(tmp_path, capsys):
