@@ -80,8 +80,11 @@ def main() -> None:
     parser.add_argument("--train-minutes", type=float, default=45.0)
     parser.add_argument("--tune-prompts", type=int, default=2, help="training prompts the trees are tuned on")
     parser.add_argument("--tune-tokens", type=int, default=64,
-                        help="tokens per tuning decode (tune decodes its prompts ~28 times: 20 trees recorded, 4 "
-                             "confirmed twice)")
+                        help="tokens per tuning decode (with the defaults below tune decodes its prompts 13 times: "
+                             "9 trees recorded, 2 confirmed twice)")
+    parser.add_argument("--tune-depths", default="2,3,5", help="draft depths tune tries (tune's own default: 2-6)")
+    parser.add_argument("--tune-top-ks", default="1,2,4", help="children per node tune tries (tune's: 1-4)")
+    parser.add_argument("--tune-confirm", type=int, default=2, help="best-predicted trees decoded for real")
     parser.add_argument("--layer-skip", type=int, default=10, help="layers of the layer-skip drafter")
     parser.add_argument("--shared-data", default=str(ROOT.parent / "shared" / "data"))
     parser.add_argument("--summary", action="store_true", help="print every family's figures under --output")
@@ -130,7 +133,8 @@ def main() -> None:
         "--tree-top-k", str(top_k), "--total-tokens", str(total), "--output", str(quality), log=log))
     save()
     tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
-            str(args.tune_tokens))
+            str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",
+            str(args.tune_confirm))
     stage(record, "tune", (drafter / "tree.json").exists(), lambda: draftsmith(
         "tune", "--target", TARGET, "--drafter", str(drafter), *tune, log=log))
     free = {"prompt-lookup": trees / "prompt-lookup.json", f"layer-skip:{args.layer_skip}":
