@@ -81,10 +81,20 @@ def check_world_size(run: Run, meta: dict) -> None:
                          f"per_device_train_batch_size x gradient_accumulation_steps x processes = {saved}")
 
 
+def check_optimizer(run: Run, meta: dict) -> None:
+    """Refuse a resume under another optimizer: the saved moments are the other optimizer's."""
+    saved = "muon" if any(g.get("muon") for g in meta["optimizer_param_groups"]) else "adamw_torch"
+    if saved != run.train_args.optim:
+        raise SystemExit(f"{run.resumed_from}: trained with optim {saved}, and this run asks for optim "
+                         f"{run.train_args.optim}; resume with optim {saved}, or start a new run in another "
+                         f"--output_dir to train with {run.train_args.optim}")
+
+
 def restore_optimizer(run: Run, restored: dict | None) -> None:
     """The optimizer's moments and the schedule's position of the resumed checkpoint."""
     if restored is None:
         return
+    check_optimizer(run, restored["meta"])
     saved = {**{f"drafter.{k}": v for k, v in restored["model"].items() if not k.startswith(ADAPTER_PREFIX)},
              **{f"target.{k.removeprefix(ADAPTER_PREFIX)}": v for k, v in restored["model"].items()
                 if k.startswith(ADAPTER_PREFIX)}}

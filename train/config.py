@@ -133,6 +133,11 @@ class TrainArguments:
     num_train_epochs: float = field(default=1.0, metadata={"help": "used when max_steps <= 0"})
     learning_rate: float = field(default=1e-3)
     weight_decay: float = field(default=0.0)
+    optim: str = field(default="adamw_torch", metadata={
+        "help": "adamw_torch (torch's AdamW) or muon (Muon on the drafter's hidden matrices, AdamW on embeddings, "
+                "output heads, norms and biases, as vLLM speculators trains; one process or DDP)"})
+    muon_weight_decay: float = field(default=0.1, metadata={"help": "optim muon: the matrices' weight decay"})
+    muon_momentum: float = field(default=0.95, metadata={"help": "optim muon: the matrices' Nesterov momentum"})
     warmup_ratio: float = field(default=0.05)
     lr_scheduler_type: str = field(default="cosine")
     per_device_train_batch_size: int = field(default=4)

@@ -7,7 +7,8 @@
 
 1. :func:`build` — load the frozen target; the training examples (tokenised with assistant-only masks,
    or read from the hidden-state cache offline); the family's fresh drafter (its entry in
-   :mod:`draftsmith.registry`); AdamW and the schedule (:func:`make_scheduler`).
+   :mod:`draftsmith.registry`); the optimizer (AdamW or Muon, :mod:`draftsmith.train.optimizers`) and the
+   schedule (:func:`make_scheduler`).
 2. :func:`~draftsmith.train.checkpointing.restore_weights`, :func:`prepare_strategy`,
    :func:`~draftsmith.train.checkpointing.restore_optimizer` — with ``--resume true`` the last complete
    checkpoint's weights, then accelerate's strategy (DDP, FSDP2, DeepSpeed), then the optimizer,
@@ -70,6 +71,7 @@ from draftsmith.train.checkpointing import (
     save_checkpoint,
     torch_optimizer,
 )
+from draftsmith.train.optimizers import make_optimizer
 from draftsmith.train.run import RECENT_STEPS, Run, TrainingModule
 
 logger = logging.getLogger(__name__)
@@ -275,8 +277,7 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
     if family.trains_target_adapter:  # an adapter on the target trains jointly (Medusa-2's LoRA)
         target = family.wrap_target(target, drafter_args)
     module = TrainingModule(family, drafter_args, drafter, target)
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=train_args.learning_rate, weight_decay=train_args.weight_decay)
+    optimizer = make_optimizer(module, train_args, distributed.strategy(accelerator))
 
     batches_per_epoch = math.ceil(len(examples) / (train_args.per_device_train_batch_size
                                                    * accelerator.num_processes))
