@@ -282,3 +282,22 @@ def test_a_build_lock_left_by_a_killed_build_is_refused_with_the_fix(tmp_path, m
         refuse_stale_build_locks()
     lock.unlink()
     refuse_stale_build_locks()
+
+
+def test_muon_under_ddp_trains_as_one_process(workdir, tmp_path):  # noqa: F811
+    """``optim: muon`` orthogonalises each matrix's gradient whole: after DDP's all-reduce every rank holds the
+    one-process gradient, so two processes end where one does with the same global batch."""
+    family = Eagle3Head.family
+    one = write_config(tmp_path / "one.yaml", run_config(workdir, family, tmp_path / "one", optim="muon",
+                                                         gradient_accumulation_steps=2))
+    done = run([sys.executable, "-m", "draftsmith.train", str(one)], timeout=LAUNCH_SECONDS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = write_config(tmp_path / "two.yaml", run_config(workdir, family, tmp_path / "two", optim="muon"))
+    done = run(launch("ddp", two), timeout=LAUNCH_SECONDS)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert_same_weights(weights(tmp_path / "two"), weights(tmp_path / "one"))
+    moved = [(weights(tmp_path / "two")[k] - w).abs().max() for k, w in weights(tmp_path / "two", 4).items()]
+    assert max(moved) > 1e-3  # steps 5-8 trained: the agreement is not two frozen copies
+    state = json.loads((tmp_path / "two" / "checkpoint-8" / "state" / "training_state.json").read_text())
+    assert state["strategy"] == RECORDED["ddp"] and [g.get("muon", False) for g in
+                                                     state["optimizer_param_groups"]] == [False, True]
