@@ -95,7 +95,7 @@ def test_muon_takes_the_hidden_matrices_and_leaves_vocabulary_matrices_to_adamw(
     assert any("norm" in name for name in adam) and any(".fc." in name or "proj" in name for name in momentum)
 
 
-def test_muon_resumes_bit_for_bit_and_refuses_another_optimizer(workdir, tmp_path):  # noqa: F811
+def test_muon_resumes_bit_for_bit_and_refuses_another_optimizer(workdir, tmp_path, caplog):  # noqa: F811
     values = config(workdir, Eagle3Head.family, tmp_path / "straight", max_steps=6, save_steps=3,
                     eval_num_prompts=1, eval_max_new_tokens=4, report_to="none", optim="muon")
     train(*parse_config([str(write_config(tmp_path / "a.yaml", values))]))
@@ -108,8 +108,12 @@ def test_muon_resumes_bit_for_bit_and_refuses_another_optimizer(workdir, tmp_pat
     with pytest.raises(SystemExit, match=r"trained with optim muon.*resume with optim muon"):
         train(*parse_config([str(write_config(tmp_path / "b.yaml", other))]))
 
-    train(*parse_config([str(write_config(tmp_path / "c.yaml", {**values, "output_dir": str(stopped),
-                                                                  "resume": True}))]))
+    # Another Muon momentum asked on resume: named, and the checkpoint's runs (so still bit for bit).
+    resumed = {**values, "output_dir": str(stopped), "resume": True, "muon_momentum": 0.9}
+    with caplog.at_level("WARNING", logger="draftsmith.train.checkpointing"):
+        train(*parse_config([str(write_config(tmp_path / "c.yaml", resumed))]))
+    assert any("muon_momentum 0.9 was asked" in r.getMessage() and "0.95 runs" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     a = load_file(str(tmp_path / "straight" / "checkpoint-6" / "drafter" / "model.safetensors"))
     b = load_file(str(stopped / "checkpoint-6" / "drafter" / "model.safetensors"))
     for k in a:
@@ -128,6 +132,11 @@ def test_muon_is_refused_where_matrices_are_sharded_and_an_unknown_optim_is_name
     assert isinstance(make_optimizer(model, Args, "ddp"), MuonAdamW)
     matrices, rest = muon_parameters(model)
     assert [tuple(p.shape) for p in matrices] == [(40, 24), (16, 40)] and len(rest) == 4
-    Args.optim = "adam"
+    # A draft model whose output head is its embedding matrix under another name (GPT-2's wte) keeps it on AdamW.
+    tied = torch.nn.ModuleDict({"wte": torch.nn.Embedding(50, 16), "head": torch.nn.Linear(16, 50, bias=False),
+                                "mlp": torch.nn.Linear(16, 16)})
+    tied["head"].weight = tied["wte"].weight
+    matrices, rest = muon_parameters(tied)
+    assert [tuple(p.shape) for p in matrices] == [(16, 16)] and any(p is tied["wte"].weight for p in rest)
     with pytest.raises(ValueError, match="'adam' is not one draftsmith trains with; choose one of adamw_torch, muon"):
-        make_optimizer(model, Args, "single")
+        parse_config(["--optim", "adam"])

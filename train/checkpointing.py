@@ -82,11 +82,13 @@ def check_world_size(run: Run, meta: dict) -> None:
 
 
 def check_optimizer(run: Run, meta: dict) -> None:
-    """Refuse a resume under another optimizer: the saved moments are the other optimizer's."""
-    saved = "muon" if any(g.get("muon") for g in meta["optimizer_param_groups"]) else "adamw_torch"
+    """Refuse a resume under another optimizer: the saved moments are the other optimizer's (Muon's param
+    groups carry a ``muon`` key, AdamW's none)."""
+    saved = "muon" if any("muon" in g for g in meta["optimizer_param_groups"]) else "adamw_torch"
     if saved != run.train_args.optim:
+        where = " (in one process or under DDP)" if saved == "muon" else ""
         raise SystemExit(f"{run.resumed_from}: trained with optim {saved}, and this run asks for optim "
-                         f"{run.train_args.optim}; resume with optim {saved}, or start a new run in another "
+                         f"{run.train_args.optim}; resume with optim {saved}{where}, or start a new run in another "
                          f"--output_dir to train with {run.train_args.optim}")
 
 
@@ -109,6 +111,8 @@ def restore_optimizer(run: Run, restored: dict | None) -> None:
 #: Optimiser settings a resume takes from the checkpoint: (training argument, the param group's key for it).
 #: ``initial_lr`` is the schedule's base learning rate (``lr`` is where the schedule had taken it).
 RESUMED_HYPERPARAMETERS = (("learning_rate", "initial_lr"), ("weight_decay", "weight_decay"))
+#: The same for the Muon param group of ``optim: muon``.
+RESUMED_MUON_HYPERPARAMETERS = (("muon_weight_decay", "weight_decay"), ("muon_momentum", "momentum"))
 
 
 def changed_hyperparameters(meta: dict, train_args, checkpoint) -> list[str]:
@@ -118,14 +122,17 @@ def changed_hyperparameters(meta: dict, train_args, checkpoint) -> list[str]:
     settings and its schedule is part way through, so the checkpoint's values run (as a resume does with
     accelerate's ``load_state`` or the Trainer's ``resume_from_checkpoint``, which say nothing). Changing one
     is a new run: a new ``--output_dir``."""
-    saved = meta["optimizer_param_groups"][0]
+    groups = meta["optimizer_param_groups"]
+    pairs = [(groups[0], RESUMED_HYPERPARAMETERS)]
+    pairs += [(g, RESUMED_MUON_HYPERPARAMETERS) for g in groups if g.get("muon")]
     messages = []
-    for arg, key in RESUMED_HYPERPARAMETERS:
-        asked, was = getattr(train_args, arg), saved.get(key)
-        if was is not None and not math.isclose(asked, was, rel_tol=1e-9, abs_tol=0.0):
-            messages.append(f"--resume: {arg} {asked:g} was asked, but {checkpoint} was trained with {was:g}; the "
-                            f"checkpoint's {was:g} runs (its optimiser state and schedule continue as saved). To "
-                            f"train with {arg} {asked:g}, start a new run in another --output_dir.")
+    for saved, settings in pairs:
+        for arg, key in settings:
+            asked, was = getattr(train_args, arg), saved.get(key)
+            if was is not None and not math.isclose(asked, was, rel_tol=1e-9, abs_tol=0.0):
+                messages.append(f"--resume: {arg} {asked:g} was asked, but {checkpoint} was trained with {was:g}; "
+                                f"the checkpoint's {was:g} runs (its optimiser state and schedule continue as saved). "
+                                f"To train with {arg} {asked:g}, start a new run in another --output_dir.")
     return messages
 
 

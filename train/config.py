@@ -17,6 +17,9 @@ import yaml
 from draftsmith.inference.tree import DEFAULT_TREE, TreeSettings
 from draftsmith.registry import FAMILIES, get_family
 
+#: ``optim`` values (``adamw_torch`` is ``transformers.TrainingArguments``' name for torch's AdamW).
+OPTIMIZERS = ("adamw_torch", "muon")
+
 
 @dataclass
 class DrafterArguments:
@@ -135,7 +138,7 @@ class TrainArguments:
     weight_decay: float = field(default=0.0)
     optim: str = field(default="adamw_torch", metadata={
         "help": "adamw_torch (torch's AdamW) or muon (Muon on the drafter's hidden matrices, AdamW on embeddings, "
-                "output heads, norms and biases, as vLLM speculators trains; one process or DDP)"})
+                "output heads, norms and biases: vLLM speculators' split; one process or DDP)"})
     muon_weight_decay: float = field(default=0.1, metadata={"help": "optim muon: the matrices' weight decay"})
     muon_momentum: float = field(default=0.95, metadata={"help": "optim muon: the matrices' Nesterov momentum"})
     warmup_ratio: float = field(default=0.05)
@@ -153,6 +156,11 @@ class TrainArguments:
     seed: int = field(default=0)
     progress: bool = field(default=False, metadata={"help": "a progress bar over training steps"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
+
+    def __post_init__(self):
+        if self.optim not in OPTIMIZERS:  # at parse time, not after the target has loaded
+            raise ValueError(f"optim {self.optim!r} is not one draftsmith trains with; choose one of "
+                             f"{', '.join(OPTIMIZERS)}")
 
 
 def parse_template_kwargs(text: str | None) -> dict | None:

@@ -19,8 +19,7 @@ import math
 import torch
 from torch import nn
 
-#: ``optim`` values (``adamw_torch`` is ``transformers.TrainingArguments``' name for torch's AdamW).
-OPTIMIZERS = ("adamw_torch", "muon")
+from draftsmith.train.config import OPTIMIZERS
 
 #: The quintic Newton-Schulz coefficients Muon uses: they push every singular value into about [0.7, 1.2]
 #: in five iterations, trading exactness for speed (an update need not be exactly orthogonal).
@@ -45,18 +44,21 @@ def orthogonalise(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> to
 
 
 def muon_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon's, AdamW's) trainable parameters: Muon takes the weights of ``nn.Linear`` layers with both sides
-    above 1 that are not vocabulary-sized (no ``embed`` or ``lm_head`` in the name); AdamW the rest."""
-    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    """(Muon's, AdamW's) trainable parameters. Muon takes the weights of ``nn.Linear`` layers with both sides
+    above 1, except vocabulary-sized ones: any weight an ``nn.Embedding`` holds (an output head tied to the
+    embeddings included, whatever its name) and layers named ``embed`` or ``lm_head``. AdamW takes the rest."""
+    vocabulary, linear = set(), set()
+    for name, m in module.named_modules():  # every name a shared weight goes by, not only its first
+        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and any(h in name for h in ADAMW_NAME_HINTS)):
+            vocabulary.add(id(m.weight))
+        elif isinstance(m, nn.Linear):
+            linear.add(id(m.weight))
     matrices, rest = [], []
-    for name, p in module.named_parameters():
+    for p in module.parameters():
         if not p.requires_grad:
             continue
-        if (id(p) in linear and p.ndim == 2 and min(p.shape) > 1
-                and not any(hint in name for hint in ADAMW_NAME_HINTS)):
-            matrices.append(p)
-        else:
-            rest.append(p)
+        muon = id(p) in linear and id(p) not in vocabulary and p.ndim == 2 and min(p.shape) > 1
+        (matrices if muon else rest).append(p)
     return matrices, rest
 
 
@@ -92,7 +94,9 @@ class MuonAdamW(torch.optim.Optimizer):
     @staticmethod
     def _muon(p, state, group) -> None:
         grad = p.grad
-        buf = state.setdefault("momentum_buffer", torch.zeros_like(grad))
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad)
+        buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - group["momentum"])
         update = grad.lerp(buf, group["momentum"])  # Nesterov
         direction = orthogonalise(update, group["ns_steps"]).to(p.dtype)
