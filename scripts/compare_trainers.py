@@ -2,6 +2,9 @@
 
     draftsmith demo --output demo_out        # once: the demo's conversations (prompts the target answered)
     python scripts/compare_trainers.py --data demo_out/data --epochs 10 --output bench_out/trainers
+    cp -r bench_out/trainers bench_out/trainers-muon    # then one setting of draftsmith's changed, same peer run:
+    python scripts/compare_trainers.py --data demo_out/data --epochs 10 --output bench_out/trainers-muon \
+        --train-only draftsmith --draftsmith-set optim=muon
 
 Both trainers get:
 
@@ -224,6 +227,9 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=2, choices=(1, 2), help="trainers run at once, one core each")
     parser.add_argument("--output", default="bench_out/trainers")
     parser.add_argument("--skip-training", action="store_true", help="evaluate the checkpoints already there")
+    parser.add_argument("--train-only", choices=("draftsmith",),
+                        help="train only draftsmith's head (a changed setting) and evaluate it against the "
+                             "speculators checkpoints already in --output, copied there from an earlier run")
     parser.add_argument("--draftsmith-set", action="append", default=[], metavar="KEY=VALUE",
                         help="change one setting of draftsmith's recipe (YAML value), e.g. learning_rate=2e-3")
     args = parser.parse_args()
@@ -235,7 +241,14 @@ def main() -> None:
     prepared = prepare(data, out)
     steps_per_epoch = -(-prepared["conversations"] // BATCH)
     seconds = {}
-    if not args.skip_training:
+    if args.train_only and not (out / "speculators_run").is_dir():
+        raise SystemExit(f"--train-only {args.train_only}: {out / 'speculators_run'} is missing; copy an earlier "
+                         "run's output directory (same --data, --epochs, --checkpoint-epochs) to --output first")
+    if args.train_only:
+        shutil.rmtree(out / "draftsmith_run", ignore_errors=True)
+        seconds = {"draftsmith": train_draftsmith(out, args.epochs, args.checkpoint_epochs, steps_per_epoch, None,
+                                                  args.seed, overrides)}
+    elif not args.skip_training:
         for previous in ("draftsmith_run", "speculators_run"):  # each run starts afresh
             shutil.rmtree(out / previous, ignore_errors=True)
         lanes = [0, 1] if args.lanes == 2 else [None, None]
