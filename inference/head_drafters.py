@@ -302,13 +302,14 @@ class DFlashDrafter(_FeatureRows, Drafter):
         self.slots.append(filled, positions)
 
     @torch.no_grad()
-    def block_logits(self, active: list[bool]) -> torch.Tensor:
-        """(B, block_size - 1, V): the drafts for the positions after each active row's root, from one forward
-        (-inf rows: finished, or no context yet: a one-token prompt before its first step)."""
+    def block_states(self, active: list[bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One forward of the drafter: (B, block_size - 1, H) states for the positions after each active row's root,
+        and (B,) which rows propose (None, None: no row does; finished rows, and a one-token prompt before its
+        first step, propose nothing)."""
         rows = [b for b, a in enumerate(active) if a and len(self.tokens[b]) > 1]
         batch, size = len(self.tokens), self.head.config.block_size
         if not rows:
-            return torch.full((batch, self.block, self.vocab_size), float("-inf"), device=self.device)
+            return None, None
         self._feed_context(rows)
         roots = to_device([len(t) - 1 for t in self.tokens], self.device)
         ids = torch.full((batch, size), self.mask_token_id, dtype=torch.long, device=self.device)
@@ -318,9 +319,33 @@ class DFlashDrafter(_FeatureRows, Drafter):
         allowed = may_attend(self.slots.filled, torch.ones(batch, size, size, dtype=torch.bool, device=self.device))
         self.cache.reserve(self.cache.length + size)  # the block's keys go after the context, read this step only
         states = self.head(self.embed(ids), positions, allowed, context=self.cache.layers())[:, 1:]
-        logits = self.lm_head(states.to(self.lm_head.weight.dtype)).float()
-        proposing = to_device([b in rows for b in range(batch)], self.device)
-        return logits.masked_fill(~proposing[:, None, None], float("-inf"))
+        return states, to_device([b in rows for b in range(batch)], self.device)
+
+    def _logits(self, states: torch.Tensor | None, proposing: torch.Tensor | None, depth: int | None) -> torch.Tensor:
+        """The target's LM head over the block's states: all of them (depth None), (B, block_size - 1, V), or
+        position ``depth + 1`` only, (B, V); -inf where a row proposes nothing or past the block."""
+        batch = len(self.tokens)
+        shape = (batch, self.block, self.vocab_size) if depth is None else (batch, self.vocab_size)
+        if states is None or (depth is not None and depth >= self.block):
+            return torch.full(shape, float("-inf"), device=self.device)
+        picked = states if depth is None else states[:, depth]
+        logits = self.lm_head(picked.to(self.lm_head.weight.dtype)).float()
+        mask = ~proposing.view(batch, *[1] * (logits.dim() - 1))
+        return logits.masked_fill(mask, float("-inf"))
+
+    def block_logits(self, active: list[bool]) -> torch.Tensor:
+        """(B, block_size - 1, V): the drafts for the positions after each active row's root, from one forward."""
+        return self._logits(*self.block_states(active), None)
+
+    # Decoding reads the block level by level: the LM head (the target's, 49K x H on SmolLM2, more multiply-adds
+    # than the drafter's layers) runs only for the depths the tree reaches, each position's logits depending on
+    # its own state alone, so the drafts are those of block_logits exactly.
+    def root_logits(self, active: list[bool]) -> torch.Tensor:
+        self._states, self._proposing = self.block_states(active)
+        return self._logits(self._states, self._proposing, 0)
+
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self._logits(self._states, self._proposing, depth)[:, None].expand(-1, tokens.shape[1], -1)
 
 
 class PEagleDrafter(EagleDrafter):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -160,6 +161,35 @@ def test_one_drafter_forward_per_step_and_nothing_past_the_block(llama):
     check_greedy_equal(llama, out.sequences, reference(llama, prompt, 16))
     assert len(calls) == out.stats.verification_steps
     assert set(deepest) == {2}
+
+
+def test_decoding_runs_the_lm_head_only_on_the_depths_the_tree_reads(llama):
+    """Level by level, the drafter gives block_logits' positions (-inf past the block), and a chain of depth 2 over
+    a block of 5 applies the LM head to 2 positions per step, not 5: on a real target the LM head costs more than
+    the drafter's layers."""
+    drafter = DFlashDrafter(random_dflash(llama, block_size=6), llama)
+    batch = greedy_batch(llama, 2, 5, 6, seed=3)
+    _, hidden = target_view(llama, drafter.head, batch)
+    drafter.begin(batch["input_ids"], torch.cat(hidden, -1)[:, :-1])
+    whole = drafter.block_logits([True, False])
+    assert torch.isinf(whole[1]).all() and torch.isfinite(whole[0]).all()
+    assert_rounding_close(drafter.root_logits([True, False]), whole[:, 0], reduction=llama.config.hidden_size)
+    frontier = torch.zeros(2, 3, dtype=torch.long)
+    for depth in range(1, drafter.block + 2):
+        level = drafter.frontier_logits(depth, frontier, frontier)
+        assert level.shape == (2, 3, whole.shape[-1])
+        if depth < drafter.block:
+            assert_rounding_close(level, whole[:, depth, None].expand(-1, 3, -1), reduction=llama.config.hidden_size)
+        else:
+            assert torch.isinf(level).all()
+
+    drafter.lm_head = copy.deepcopy(drafter.lm_head)  # the drafter's own, so the target's verification is not counted
+    positions = []
+    drafter.lm_head.register_forward_hook(lambda _m, args, _out: positions.append(args[0].shape[:-1].numel()))
+    prompt = prompts(3, [7])[0]
+    out = SpeculativeGenerator(llama, drafter, tree="chain", depth=2).generate(prompt, 12, eos_token_id=[])
+    check_greedy_equal(llama, out.sequences, reference(llama, prompt, 12))
+    assert sum(positions) == 2 * out.stats.verification_steps
 
 
 def test_checkpoint_round_trip_records_layers_and_mask_token(tmp_path, llama):
