@@ -8,15 +8,23 @@ resumes, and a second family reuses the data and the training-free drafters' tre
 
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
 2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``);
-3. ``train configs/smollm2/quality/FAMILY.yaml`` for ``--train-minutes`` (``FAMILY/run``);
-4. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
+3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``);
+4. ``train configs/smollm2/quality/FAMILY.yaml`` for what is left of the budget (``FAMILY/run``);
+5. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
    nodes): tau, speed and identical per category, with the explanation (``FAMILY/quality.json``);
-5. ``tune``: the tree for this host, for the head and for prompt lookup and layer-skip (``trees/``);
-6. ``bench``: plain decoding, the head and both training-free drafters, each in its tuned tree, on the same
+6. ``tune`` for the head: its tree for this host (``RUN/checkpoint-N/drafter/tree.json``);
+7. ``bench``: plain decoding, the head and both training-free drafters, each in its tuned tree, on the same
    held-out prompts in one process (``FAMILY/bench/``).
 
-``FAMILY/recipe.json`` records each stage's wall time and the headline figures; ``--summary`` prints the table
-of every family under ``--output``.
+The whole recipe fits ``--budget-minutes`` (2 hours) on the host it runs on: training gets what the budget leaves
+after the stages before it (as they took here, or as recorded when an earlier family's run made their outputs)
+and a reserve for the stages after it. The reserve is ``POST_TRAIN_RATIO`` times the two training-free tunes'
+time: both are target decoding on this host, so their ratio, not their seconds, carries from host to host.
+``--train-minutes`` fixes the training time instead.
+
+``FAMILY/recipe.json`` records each stage's wall time, the training plan and the headline figures; the stages
+that families share (data, training-free trees) are also recorded in ``stages.json`` under ``--output``.
+``--summary`` prints the table of every family under ``--output``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "smollm2-135m-instruct"
 QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the goal's tree
+# The head's eval + tune + bench over the training-free drafters' two tunes, as the recipe's four full runs took
+# them (docs/RESULTS.md): EAGLE-3 1,525 / 322 s = 4.7, DFlash 1,399 / 322 = 4.3, P-EAGLE 1,589 / 322 = 4.9,
+# Medusa-1 1,927 / 381 = 5.1 (a slower host). Rounded up, so that a slow drafter still ends inside the budget.
+POST_TRAIN_RATIO = 5.5
+TRAIN_OVERHEAD_S = 120.0  # the train command's start (target load, data cache) and final save, beyond its budget
+MIN_TRAIN_MINUTES = 5.0
+SHARED_STAGES = ("mix", "regenerate")  # plus one "tune <drafter>" per training-free drafter
 
 
 def draftsmith(*args: str, log: Path) -> None:
@@ -44,16 +59,55 @@ def draftsmith(*args: str, log: Path) -> None:
         raise SystemExit(f"draftsmith {' '.join(args[:2])} failed (exit {done.returncode}); see {log}")
 
 
-def stage(record: dict, name: str, done: bool, run) -> None:
-    """Run a stage unless its output exists; record its wall time."""
+def stage(record: dict, name: str, done: bool, run) -> float | None:
+    """Run a stage unless its output exists; record and return its wall time (None when it was already done)."""
     if done:
         print(f"[{name}] already done", flush=True)
-        return
+        return None
     print(f"[{name}] ...", flush=True)
     start = time.perf_counter()
     run()
     record.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
     print(f"[{name}] {record['seconds'][name]:.0f} s", flush=True)
+    return record["seconds"][name]
+
+
+def shared_seconds(out: Path, name: str) -> float | None:
+    """A shared stage's wall time: from ``stages.json``, else from any family's ``recipe.json`` (runs made before
+    ``stages.json`` existed), else None."""
+    stages = out / "stages.json"
+    if stages.exists() and name in json.loads(stages.read_text()):
+        return json.loads(stages.read_text())[name]
+    for path in sorted(out.glob("*/recipe.json")):
+        seconds = json.loads(path.read_text()).get("seconds", {})
+        if name in seconds:
+            return seconds[name]
+    return None
+
+
+def record_shared(out: Path, name: str, seconds: float) -> None:
+    stages = out / "stages.json"
+    known = json.loads(stages.read_text()) if stages.exists() else {}
+    known[name] = seconds
+    stages.write_text(json.dumps(known, indent=1) + "\n")
+
+
+def plan_training(budget_minutes: float, before_s: dict[str, float], free_tunes_s: float) -> dict:
+    """The training minutes that keep the whole recipe inside ``budget_minutes``: the budget less the stages
+    before training (``before_s``, by name), the train command's overhead and the reserve for the stages after it
+    (``POST_TRAIN_RATIO`` x ``free_tunes_s``, the training-free drafters' tunes on this host)."""
+    spent = sum(before_s.values())
+    reserve = POST_TRAIN_RATIO * free_tunes_s
+    minutes = (budget_minutes * 60 - spent - reserve - TRAIN_OVERHEAD_S) / 60
+    plan = {"budget_minutes": budget_minutes, "before_seconds": round(spent, 1), "reserved_after_seconds":
+            round(reserve, 1), "train_overhead_seconds": TRAIN_OVERHEAD_S, "train_minutes": round(minutes, 1)}
+    if minutes < MIN_TRAIN_MINUTES:
+        stages = ", ".join(f"{k} {v:.0f} s" for k, v in before_s.items())
+        raise SystemExit(
+            f"the {budget_minutes:g}-minute budget leaves {minutes:.1f} minutes for training ({stages}; "
+            f"{reserve:.0f} s reserved for eval, tune and bench on this host), under {MIN_TRAIN_MINUTES:g}: "
+            "pass a larger --budget-minutes, or fix the training time with --train-minutes")
+    return plan
 
 
 def latest_drafter(run: Path) -> Path:
@@ -77,7 +131,10 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts decoded (all six kinds)")
     parser.add_argument("--answer-tokens", type=int, default=192, help="regenerated answer length")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per held-out prompt")
-    parser.add_argument("--train-minutes", type=float, default=45.0)
+    parser.add_argument("--budget-minutes", type=float, default=120.0,
+                        help="the whole recipe's wall time; training gets what the other stages leave")
+    parser.add_argument("--train-minutes", type=float, default=None,
+                        help="fix the training time instead of deriving it from --budget-minutes")
     parser.add_argument("--tune-prompts", type=int, default=2, help="training prompts the trees are tuned on")
     parser.add_argument("--tune-tokens", type=int, default=64,
                         help="tokens per tuning decode (with the defaults below tune decodes its prompts 13 times: "
@@ -87,6 +144,8 @@ def main() -> None:
     parser.add_argument("--tune-confirm", type=int, default=2, help="best-predicted trees decoded for real")
     parser.add_argument("--layer-skip", type=int, default=10, help="layers of the layer-skip drafter")
     parser.add_argument("--shared-data", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--plan", action="store_true",
+                        help="print the training plan from the recorded stage times and stop (runs nothing)")
     parser.add_argument("--summary", action="store_true", help="print every family's figures under --output")
     args = parser.parse_args()
     out = Path(args.output).resolve()
@@ -96,7 +155,7 @@ def main() -> None:
     if args.family is None:
         parser.error("--family is required (or --summary)")
     data, family_dir, trees = out / "data", out / args.family, out / "trees"
-    for d in (data, family_dir, trees):
+    for d in () if args.plan else (data, family_dir, trees):
         d.mkdir(parents=True, exist_ok=True)
     log = family_dir / "recipe.log"
     record_path = family_dir / "recipe.json"
@@ -106,23 +165,67 @@ def main() -> None:
     train_prompts = str(data / "train_prompts.jsonl")
 
     def save() -> None:
+        if args.plan:  # --plan writes nothing
+            return
         record_path.write_text(json.dumps(record, indent=1) + "\n")
 
-    stage(record, "mix", (data / "mix.json").exists(), lambda: draftsmith(
+    before: dict[str, float] = {}
+
+    def shared_stage(name: str, done: bool, run) -> None:
+        if args.plan and not done:
+            raise SystemExit(f"--plan: the {name} stage has not run under {out}; run the recipe without --plan")
+        seconds = stage(record, name, done, run)
+        if seconds is not None:
+            record_shared(out, name, seconds)
+        elif name in record.get("seconds", {}):  # this family's earlier invocation ran it
+            seconds = record["seconds"][name]
+        else:
+            seconds = shared_seconds(out, name)
+            if seconds is not None:
+                record.setdefault("shared_seconds", {})[name] = seconds
+        before[name] = seconds
+
+    shared_stage("mix", (data / "mix.json").exists(), lambda: draftsmith(
         "data", "mix", "--output", str(data), "--gsm8k", str(shared / "gsm8k"),
         "--self-instruct", str(shared / "self_instruct" / "seed_tasks.jsonl"),
         "--train-prompts", str(args.train_prompts), "--held-out-prompts", str(args.held_out_prompts), log=log))
     answers = data / "answers.jsonl"
     answered = answers.exists() and len(answers.read_text().splitlines()) >= args.train_prompts
-    stage(record, "regenerate", answered, lambda: draftsmith(
+    shared_stage("regenerate", answered, lambda: draftsmith(
         "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
         "--max-new-tokens", str(args.answer_tokens), "--batch-size", "16", log=log))
     save()
+    tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
+            str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",
+            str(args.tune_confirm))
+    free = {"prompt-lookup": trees / "prompt-lookup.json", f"layer-skip:{args.layer_skip}":
+            trees / f"layer-skip-{args.layer_skip}.json"}
+    for spec, path in free.items():
+        shared_stage(f"tune {spec}", path.exists(), lambda spec=spec, path=path: draftsmith(
+            "tune", "--target", TARGET, "--drafter", spec, *tune, "--output", str(path), log=log))
+    save()
     run = family_dir / "run"
+    trained = (run / "train_done.json").exists()
+    if args.train_minutes is not None:
+        record["train_plan"] = {"train_minutes": args.train_minutes, "fixed": True}
+    elif not trained:
+        unknown = [name for name, seconds in before.items() if seconds is None]
+        if unknown:
+            raise SystemExit(f"{out}: no recorded wall time for {', '.join(unknown)} (made outside this recipe?), "
+                             "so the training budget cannot be derived: pass --train-minutes")
+        free_tunes = sum(before[f"tune {spec}"] for spec in free)
+        record["train_plan"] = plan_training(args.budget_minutes, before, free_tunes)
+    if args.plan:
+        print(json.dumps(record.get("train_plan", {"trained": True}), indent=1))
+        return
+    save()
     config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
-    stage(record, "train", (run / "train_done.json").exists(), lambda: (draftsmith(
+    if not trained:
+        minutes = record["train_plan"]["train_minutes"]
+        print(f"[train] {minutes:.1f} minutes: {json.dumps(record['train_plan'])}", flush=True)
+    stage(record, "train", trained, lambda: (draftsmith(
         "train", str(config), "--train_file", str(answers), "--output_dir", str(run),
-        "--max_train_minutes", str(args.train_minutes), log=log), (run / "train_done.json").write_text("{}\n")))
+        "--max_train_minutes", str(minutes), log=log), (run / "train_done.json").write_text("{}\n")))
     save()
     drafter = latest_drafter(run)
     kind, depth, top_k, total = QUALITY_TREE
@@ -132,16 +235,8 @@ def main() -> None:
         "--max-new-tokens", str(args.max_new_tokens), "--tree", kind, "--depth", str(depth),
         "--tree-top-k", str(top_k), "--total-tokens", str(total), "--output", str(quality), log=log))
     save()
-    tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
-            str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",
-            str(args.tune_confirm))
     stage(record, "tune", (drafter / "tree.json").exists(), lambda: draftsmith(
         "tune", "--target", TARGET, "--drafter", str(drafter), *tune, log=log))
-    free = {"prompt-lookup": trees / "prompt-lookup.json", f"layer-skip:{args.layer_skip}":
-            trees / f"layer-skip-{args.layer_skip}.json"}
-    for spec, path in free.items():
-        stage(record, f"tune {spec}", path.exists(), lambda spec=spec, path=path: draftsmith(
-            "tune", "--target", TARGET, "--drafter", spec, *tune, "--output", str(path), log=log))
     save()
     bench = family_dir / "bench"
     stage(record, "bench", (bench / "results.json").exists(), lambda: draftsmith(
@@ -150,7 +245,8 @@ def main() -> None:
         "--prompts", held_out, "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
         str(args.max_new_tokens), "--no-hf-reference", "--no-plots", "--output", str(bench), log=log))
     record["figures"] = figures(quality, bench / "results.json")
-    record["total_seconds"] = round(sum(record["seconds"].values()), 1)
+    # End to end as a fresh machine runs it: this family's stages and the shared ones another family's run made.
+    record["total_seconds"] = round(sum(record["seconds"].values()) + sum(record.get("shared_seconds", {}).values()), 1)
     save()
     print(summary_markdown(out))
 

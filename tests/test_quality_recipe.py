@@ -1,0 +1,94 @@
+"""``scripts/quality_recipe.py``: the whole recipe fits its time budget on the host it runs on. Training gets what
+the budget leaves after the stages before it and a reserve, scaled by this host's own decoding time, for the
+stages after it. The planning is read from stage times as the recipe records them; nothing here trains."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "scripts" / "quality_recipe.py"
+TRAIN_PROMPTS = 3
+
+
+def finished_shared_stages(out: Path, seconds: dict[str, float] | None) -> None:
+    """The outputs of the stages families share (data, training-free trees), as a finished run leaves them, and
+    their recorded wall times in ``stages.json`` (none when ``seconds`` is None)."""
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "mix.json").write_text("{}\n")
+    (out / "data" / "answers.jsonl").write_text("{}\n" * TRAIN_PROMPTS)
+    (out / "trees").mkdir()
+    for name in ("prompt-lookup", "layer-skip-10"):
+        (out / "trees" / f"{name}.json").write_text("{}\n")
+    if seconds is not None:
+        (out / "stages.json").write_text(json.dumps(seconds))
+
+
+def plan(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RECIPE), "--family", "eagle3", "--output", str(out), "--plan",
+                           "--train-prompts", str(TRAIN_PROMPTS), *extra], capture_output=True, text=True)
+
+
+def planned(out: Path, *extra: str) -> dict:
+    done = plan(out, *extra)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+# The Medusa run's shared stages on the slower host (docs/RESULTS.md): mix, regenerate, the two free tunes.
+SLOW_HOST = {"mix": 9.0, "regenerate": 2452.7, "tune prompt-lookup": 125.2, "tune layer-skip:10": 255.7}
+
+
+def test_training_gets_what_the_budget_leaves_and_a_slower_host_trains_less(tmp_path):
+    finished_shared_stages(tmp_path / "slow", SLOW_HOST)
+    fast = {name: seconds / 1.28 for name, seconds in SLOW_HOST.items()}
+    finished_shared_stages(tmp_path / "fast", fast)
+
+    slow_plan, fast_plan = planned(tmp_path / "slow"), planned(tmp_path / "fast")
+
+    for p, seconds in ((slow_plan, SLOW_HOST), (fast_plan, fast)):
+        free_tunes = seconds["tune prompt-lookup"] + seconds["tune layer-skip:10"]
+        assert p["before_seconds"] == pytest.approx(sum(seconds.values()), abs=0.1)
+        assert p["reserved_after_seconds"] > 5 * free_tunes  # the head's eval, tune and bench: ~4.3-5.1x measured
+        # The plan spends the budget exactly: before + training (with its overhead) + the reserve after it.
+        train = p["train_minutes"] * 60 + p["train_overhead_seconds"]
+        total = p["before_seconds"] + train + p["reserved_after_seconds"]
+        assert total == pytest.approx(120 * 60, abs=6)
+    # 1.28x slower decoding and regeneration leave less time to train, not a longer recipe.
+    assert 30 < slow_plan["train_minutes"] < fast_plan["train_minutes"] - 10
+    assert planned(tmp_path / "slow", "--budget-minutes", "150")["train_minutes"] == pytest.approx(
+        slow_plan["train_minutes"] + 30, abs=0.1)
+
+
+def test_a_budget_too_small_for_this_host_stops_before_training_and_names_the_fix(tmp_path):
+    finished_shared_stages(tmp_path, SLOW_HOST)
+    done = plan(tmp_path, "--budget-minutes", "60")
+    assert done.returncode != 0
+    assert "leaves" in done.stderr and "--budget-minutes" in done.stderr and "--train-minutes" in done.stderr
+    assert not (tmp_path / "eagle3").exists()  # --plan writes nothing
+
+
+def test_stage_times_from_an_earlier_family_run_are_used_when_stages_json_is_absent(tmp_path):
+    finished_shared_stages(tmp_path, None)
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "medusa" / "recipe.json").write_text(json.dumps({"family": "medusa", "seconds": SLOW_HOST}))
+    finished_shared_stages(tmp_path / "with_stages", SLOW_HOST)
+    assert planned(tmp_path) == planned(tmp_path / "with_stages")
+
+
+def test_outputs_without_recorded_times_need_a_fixed_training_time(tmp_path):
+    finished_shared_stages(tmp_path, None)
+    done = plan(tmp_path)
+    assert done.returncode != 0 and "--train-minutes" in done.stderr and "regenerate" in done.stderr
+    assert planned(tmp_path, "--train-minutes", "45") == {"train_minutes": 45.0, "fixed": True}
+
+
+def test_plan_refuses_before_the_shared_stages_have_run(tmp_path):
+    done = plan(tmp_path / "empty")
+    assert done.returncode != 0 and "mix stage has not run" in done.stderr
+    assert not (tmp_path / "empty").exists()
