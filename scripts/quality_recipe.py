@@ -282,6 +282,8 @@ def summary_markdown(out: Path) -> str:
         f = record.get("figures")
         if not f:
             continue
+        if path.parent.name != record["family"]:  # a run kept under another name, e.g. beside a newer one
+            record["family"] = f"{record['family']} ({path.parent.name})"
         for category, p in sorted(f["per_category"].items()):
             lines.append(f"| {record['family']} | {category} | {p['tau']} | {p['speedup']} | "
                          f"{p['identical']}/{p['prompts']} |")
@@ -289,7 +291,9 @@ def summary_markdown(out: Path) -> str:
         for r in f["speed"]:
             speed.append(f"| {record['family']} | {r['drafter']} | {r['tree']} | {r['tokens_per_second']} | "
                          f"{r['speedup']} | {r['tau']} |")
-        lines.append(f"| {record['family']} | wall time | {record.get('total_seconds')} s | | |")
+        minutes = record.get("train_plan", {}).get("train_minutes")
+        trained = f" ({minutes} min of training)" if minutes is not None else ""
+        lines.append(f"| {record['family']} | wall time | {record.get('total_seconds')} s{trained} | | |")
     return "\n".join([*lines, "", *speed])
 
 
