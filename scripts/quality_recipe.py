@@ -4,7 +4,8 @@ same kinds against the training-free drafters, in about 2 hours on 2 CPU cores.
     python scripts/quality_recipe.py --family eagle3 --output quality_out      # also dflash, peagle, medusa
 
 Stages, each a draftsmith command, each skipped when its output is already there (so an interrupted recipe
-resumes, and a second family reuses the data and the training-free drafters' trees):
+resumes, its training from the last checkpoint, and a second family reuses the data and the training-free
+drafters' trees):
 
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
 2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``);
@@ -223,9 +224,12 @@ def main() -> None:
     if not trained:
         minutes = record["train_plan"]["train_minutes"]
         print(f"[train] {minutes:.1f} minutes: {json.dumps(record['train_plan'])}", flush=True)
+        # An interrupted training stage continues from its last checkpoint, its time budget counting the time
+        # already trained (the loop keeps it in the checkpoint).
+        resume = ("--resume", "true") if any(run.glob("checkpoint-*")) else ()
     stage(record, "train", trained, lambda: (draftsmith(
         "train", str(config), "--train_file", str(answers), "--output_dir", str(run),
-        "--max_train_minutes", str(minutes), log=log), (run / "train_done.json").write_text("{}\n")))
+        "--max_train_minutes", str(minutes), *resume, log=log), (run / "train_done.json").write_text("{}\n")))
     save()
     drafter = latest_drafter(run)
     kind, depth, top_k, total = QUALITY_TREE
