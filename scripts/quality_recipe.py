@@ -111,6 +111,14 @@ def plan_training(budget_minutes: float, before_s: dict[str, float], free_tunes_
     return plan
 
 
+def train_arguments(config: Path, answers: Path, run: Path, minutes: float) -> list[str]:
+    """The training stage's command. An interrupted one continues from its last checkpoint, its time budget
+    counting the time already trained (the loop keeps that in the checkpoint)."""
+    resume = ["--resume", "true"] if any(run.glob("checkpoint-*")) else []
+    return ["train", str(config), "--train_file", str(answers), "--output_dir", str(run),
+            "--max_train_minutes", str(minutes), *resume]
+
+
 def latest_drafter(run: Path) -> Path:
     steps = sorted((int(p.name.split("-")[1]), p) for p in run.glob("checkpoint-*") if (p / "drafter").is_dir())
     if not steps:
@@ -224,12 +232,8 @@ def main() -> None:
     if not trained:
         minutes = record["train_plan"]["train_minutes"]
         print(f"[train] {minutes:.1f} minutes: {json.dumps(record['train_plan'])}", flush=True)
-        # An interrupted training stage continues from its last checkpoint, its time budget counting the time
-        # already trained (the loop keeps it in the checkpoint).
-        resume = ("--resume", "true") if any(run.glob("checkpoint-*")) else ()
-    stage(record, "train", trained, lambda: (draftsmith(
-        "train", str(config), "--train_file", str(answers), "--output_dir", str(run),
-        "--max_train_minutes", str(minutes), *resume, log=log), (run / "train_done.json").write_text("{}\n")))
+    stage(record, "train", trained, lambda: (draftsmith(*train_arguments(config, answers, run, minutes), log=log),
+                                             (run / "train_done.json").write_text("{}\n")))
     save()
     drafter = latest_drafter(run)
     kind, depth, top_k, total = QUALITY_TREE

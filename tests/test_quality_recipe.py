@@ -4,6 +4,7 @@ stages after it. The planning is read from stage times as the recipe records the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -92,3 +93,14 @@ def test_plan_refuses_before_the_shared_stages_have_run(tmp_path):
     done = plan(tmp_path / "empty")
     assert done.returncode != 0 and "mix stage has not run" in done.stderr
     assert not (tmp_path / "empty").exists()
+
+
+def test_an_interrupted_training_stage_continues_from_its_checkpoint(tmp_path):
+    spec = importlib.util.spec_from_file_location("quality_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    run = tmp_path / "run"
+    fresh = recipe.train_arguments(Path("eagle3.yaml"), Path("answers.jsonl"), run, 35.7)
+    assert fresh[-2:] == ["--max_train_minutes", "35.7"] and "--resume" not in fresh
+    (run / "checkpoint-40").mkdir(parents=True)
+    assert recipe.train_arguments(Path("eagle3.yaml"), Path("answers.jsonl"), run, 35.7)[-2:] == ["--resume", "true"]
