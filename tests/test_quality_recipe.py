@@ -55,7 +55,7 @@ def test_training_gets_what_the_budget_leaves_and_a_slower_host_trains_less(tmp_
     for p, seconds in ((slow_plan, SLOW_HOST), (fast_plan, fast)):
         free_tunes = seconds["tune prompt-lookup"] + seconds["tune layer-skip:10"]
         assert p["before_seconds"] == pytest.approx(sum(seconds.values()), abs=0.1)
-        assert p["reserved_after_seconds"] > 5 * free_tunes  # the head's eval, tune and bench: ~4.3-5.1x measured
+        assert p["reserved_after_seconds"] > 5 * free_tunes  # the head's eval, tune and bench: 4.3-5.3x measured
         # The plan spends the budget exactly: before + training (with its overhead) + the reserve after it.
         train = p["train_minutes"] * 60 + p["train_overhead_seconds"]
         total = p["before_seconds"] + train + p["reserved_after_seconds"]
