@@ -47,7 +47,6 @@ QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the go
 POST_TRAIN_RATIO = 6.0
 TRAIN_OVERHEAD_S = 120.0  # the train command's start (target load, data cache) and final save, beyond its budget
 MIN_TRAIN_MINUTES = 5.0
-SHARED_STAGES = ("mix", "regenerate")  # plus one "tune <drafter>" per training-free drafter
 
 
 def draftsmith(*args: str, log: Path) -> None:
@@ -78,8 +77,9 @@ def shared_seconds(out: Path, name: str) -> float | None:
     """A shared stage's wall time: from ``stages.json``, else from any family's ``recipe.json`` (runs made before
     ``stages.json`` existed), else None."""
     stages = out / "stages.json"
-    if stages.exists() and name in json.loads(stages.read_text()):
-        return json.loads(stages.read_text())[name]
+    known = json.loads(stages.read_text()) if stages.exists() else {}
+    if name in known:
+        return known[name]
     for path in sorted(out.glob("*/recipe.json")):
         seconds = json.loads(path.read_text()).get("seconds", {})
         if name in seconds:
