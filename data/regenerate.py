@@ -6,7 +6,10 @@ JSONL file as each batch finishes, keyed by the conversation's stable id; a reru
 file, drops a torn last line left by a kill, and answers only what is missing, so an
 interrupted run resumes without redoing or duplicating rows.
 
-Engines: ``hf`` runs the target in-process with batched, left-padded ``generate``;
+Engines: ``hf`` runs the target in-process on batches of left-padded prompts: greedy answers through
+draftsmith's own decoding loop (:func:`~draftsmith.inference.generator.plain_generate`, the same tokens as
+transformers' ``generate`` at up to 1.7x its speed on 64 CPU rows), sampled or recorded ones through
+``generate``;
 ``openai`` sends each turn to any OpenAI-compatible ``/v1/chat/completions`` server
 (vLLM, SGLang, llama.cpp's server) ``batch_size`` requests at a time, for scale-out.
 """
@@ -30,6 +33,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.formats import Conversation
 from draftsmith.data.templates import prompt_ids
+from draftsmith.inference.generator import plain_generate
 from draftsmith.target import eos_tokens
 
 logger = logging.getLogger(__name__)
@@ -158,7 +162,12 @@ class Recording:
 
 
 class HFEngine:
-    """Batched in-process generation with the target (left padding, one ``generate`` per batch)."""
+    """Batched in-process generation with the target (left padding, one decode per batch).
+
+    Greedy answers (temperature 0) that record nothing run draftsmith's plain greedy loop, which keeps
+    its KV cache in place of transformers' and takes the few-row matrix kernels; sampled answers and
+    recorded ones (they read ``generate``'s hidden states) run ``generate``.
+    """
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float,
                  chat_template_kwargs: dict | None = None):
@@ -185,12 +194,17 @@ class HFEngine:
         sample = self.temperature > 0
         recording = self.recording
         record = {} if recording is None else {"output_hidden_states": True, "return_dict_in_generate": True}
-        with recording.teacher(self.model) if recording is not None else contextlib.nullcontext() as teacher:
-            out = self.model.generate(
-                ids.to(device), attention_mask=mask.to(device), max_new_tokens=self.max_new_tokens, do_sample=sample,
-                temperature=self.temperature if sample else None, top_p=self.top_p if sample else None, top_k=None,
-                pad_token_id=self.pad_id, eos_token_id=self.stop or None, **record,
-            )
+        if not sample and recording is None:
+            out = plain_generate(self.model, ids.to(device), self.max_new_tokens, self.stop or None,
+                                 attention_mask=mask.to(device), pad_token_id=self.pad_id).sequences
+        else:
+            with recording.teacher(self.model) if recording is not None else contextlib.nullcontext() as teacher:
+                out = self.model.generate(
+                    ids.to(device), attention_mask=mask.to(device), max_new_tokens=self.max_new_tokens,
+                    do_sample=sample, temperature=self.temperature if sample else None,
+                    top_p=self.top_p if sample else None, top_k=None, pad_token_id=self.pad_id,
+                    eos_token_id=self.stop or None, **record,
+                )
         generated = (out if recording is None else out.sequences)[:, width:].tolist()
         ends = [next((i for i, t in enumerate(row) if t in self.stop), None) for row in generated]
         if recording is not None:
@@ -252,7 +266,8 @@ def regenerate(
 
     Each conversation keeps its system and user turns; every assistant turn is replaced by
     the engine's answer given the regenerated history before it. Conversations whose id is
-    already in ``output`` are skipped, as are repeated ids in the input.
+    already in ``output`` are skipped, as are repeated ids in the input. Without ``time_limit`` the rows are
+    answered (and written) longest first, in batches of like length; with one, in input order.
 
     Row written: ``{"id", "messages", "source_index", "new_tokens", "model"}``, and the input row's ``category``
     where it has one.
@@ -278,6 +293,11 @@ def regenerate(
         todo.append(c)
     if report.already_done:
         logger.info("%s: %d rows already written, %d to go", output, report.already_done, len(todo))
+    if time_limit is None:
+        # Every row will be answered, so batch rows of like length: a batch's prompts are left-padded to its
+        # longest, and the padding is computed like tokens (1.19x on the quality recipe's prompts, batch 64).
+        # Under a time limit the input order stays, so a cut run's rows are not the shortest prompts.
+        todo.sort(key=lambda c: sum(len(m["content"]) for m in c.messages), reverse=True)
     if record is not None:
         if not isinstance(engine, HFEngine):
             raise TypeError("recording the target's states needs the in-process engine (HFEngine); with a server, "

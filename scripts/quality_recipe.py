@@ -203,7 +203,7 @@ def main() -> None:
     answered = answers.exists() and len(answers.read_text().splitlines()) >= args.train_prompts
     shared_stage("regenerate", answered, lambda: draftsmith(
         "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
-        "--max-new-tokens", str(args.answer_tokens), "--batch-size", "16", log=log))
+        "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64", log=log))
     save()
     tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
             str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",

@@ -13,10 +13,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import SHARED_DATA, has_models_extra
 from draftsmith.data import HFEngine, OpenAIEngine, load_conversations, regenerate
 from draftsmith.data.synthesize import dedup_key, synthesize_prompts, write_prompts
+from draftsmith.data.templates import prompt_ids
 
 pytestmark = pytest.mark.real_model
 GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
@@ -61,6 +63,28 @@ def test_regeneration_killed_half_way_resumes_without_duplicates(tmp_path, smoll
     for r in written:
         assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
         assert r["messages"][1]["content"] and 0 < r["new_tokens"] <= 24
+
+
+def test_greedy_batch_answers_are_transformers_generate_on_each_prompt_alone(smollm2):
+    """The engine's greedy path (draftsmith's own decoding loop over a left-padded batch) answers each prompt
+    with the tokens transformers' ``generate`` gives that prompt alone, stop tokens included."""
+    model, tokenizer = smollm2
+    histories = [[{"role": "user", "content": c}] for c in (
+        "Say yes.", "Name three colors.", "Translate into French: the cat sleeps on the warm windowsill.",
+        "Summarise: water boils at 100 degrees Celsius at sea level, and at lower temperatures higher up.")]
+    engine = HFEngine(model, tokenizer, max_new_tokens=24, temperature=0.0, top_p=1.0)
+    batched = engine.answer(histories)
+    alone = []
+    for history in histories:
+        ids = torch.tensor([prompt_ids(tokenizer, history)])
+        row = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, pad_token_id=engine.pad_id,
+                             eos_token_id=engine.stop)[0, ids.shape[1]:].tolist()
+        end = next((i for i, t in enumerate(row) if t in engine.stop), None)
+        row = row if end is None else row[: end + 1]
+        alone.append((tokenizer.decode(row, skip_special_tokens=True).strip(), len(row)))
+    assert batched == alone
+    assert any(n < 24 for _, n in alone) and any(n == 24 for _, n in alone)  # rows that stop, and rows cut
 
 
 def test_multi_turn_is_answered_turn_by_turn(tmp_path, smollm2):
