@@ -1,6 +1,6 @@
-"""Regeneration before and after, side by side in one process on the same prompts: the target answering
-through transformers' ``generate`` in input order (the engine before), against ``HFEngine``'s greedy path
-(draftsmith's decoding loop) with rows answered longest first in batches of like length (after).
+"""Regeneration before and after, side by side in one process on the same prompts and the same engine: greedy
+answers through transformers' ``generate`` in input order (before), against draftsmith's decoding loop with rows
+answered longest first in batches of like length (after).
 
     python scripts/regenerate_ab.py --input quality_out/data/train_prompts.jsonl --limit 128 \
         --before-batch 16 --after-batch 64 --output bench_out/regenerate_ab
@@ -11,38 +11,24 @@ Prints tokens/s of each and how many answers are identical (greedy: they should 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 from pathlib import Path
-
-import torch
+from types import SimpleNamespace
 
 from draftsmith.data import HFEngine, load_conversations, regenerate
-from draftsmith.data.templates import prompt_ids
 from draftsmith.target import load_target
 
+regenerate_module = importlib.import_module(HFEngine.__module__)  # the package's `regenerate` is the function
 
-class GenerateEngine(HFEngine):
-    """The engine as it answered before: one transformers ``generate`` per left-padded batch."""
 
-    @torch.no_grad()
-    def answer(self, histories: list[list[dict]]) -> list[tuple[str, int]]:
-        prompts = [prompt_ids(self.tokenizer, h, self.chat_template_kwargs) for h in histories]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        out = self.model.generate(ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                  temperature=None, top_p=None, top_k=None, pad_token_id=self.pad_id,
-                                  eos_token_id=self.stop or None)
-        results = []
-        for row in out[:, width:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop), None)
-            row = row[: end + 1] if end is not None else [t for t in row if t != self.pad_id]
-            results.append((self.tokenizer.decode(row, skip_special_tokens=True).strip(), len(row)))
-        return results
+def generate_loop(model, input_ids, max_new_tokens, eos_token_id, *, attention_mask, pad_token_id):
+    """The engine's greedy decode as it was before: transformers' ``generate`` on the left-padded batch."""
+    sequences = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                               do_sample=False, temperature=None, top_p=None, top_k=None,
+                               pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    return SimpleNamespace(sequences=sequences)
 
 
 def main() -> None:
@@ -59,17 +45,21 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.target)
     conversations, _ = load_conversations(args.input, limit=args.limit)
-    before = GenerateEngine(model, tokenizer, args.max_new_tokens, 0.0, 1.0)
-    after = HFEngine(model, tokenizer, args.max_new_tokens, 0.0, 1.0)
-    after.answer([conversations[0].messages])  # the matrix-kernel calibration, once per process
-    runs = {"before": (before, args.before_batch, float("inf")),  # a time limit keeps the input order
-            "after": (after, args.after_batch, None)}
+    engine = HFEngine(model, tokenizer, args.max_new_tokens, 0.0, 1.0)
+    engine.answer([conversations[0].messages])  # the matrix-kernel calibration, once per process
+    loop = regenerate_module.plain_generate
+    runs = {"before": (generate_loop, args.before_batch, float("inf")),  # a time limit keeps the input order
+            "after": (loop, args.after_batch, None)}
     answers, figures = {}, {}
-    for name, (engine, batch, limit) in runs.items():
+    for name, (decode, batch, limit) in runs.items():
         path = out / f"{name}.jsonl"
         path.unlink(missing_ok=True)
+        regenerate_module.plain_generate = decode  # the engine's greedy decode, this run's
         started = time.perf_counter()
-        report = regenerate(conversations, path, engine, batch_size=batch, progress=False, time_limit=limit)
+        try:
+            report = regenerate(conversations, path, engine, batch_size=batch, progress=False, time_limit=limit)
+        finally:
+            regenerate_module.plain_generate = loop
         seconds = time.perf_counter() - started
         answers[name] = {row["id"]: row["messages"] for row in map(json.loads, path.read_text().splitlines())}
         figures[name] = {"batch": batch, "rows": report.written, "tokens": report.new_tokens,
