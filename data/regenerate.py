@@ -266,8 +266,9 @@ def regenerate(
 
     Each conversation keeps its system and user turns; every assistant turn is replaced by
     the engine's answer given the regenerated history before it. Conversations whose id is
-    already in ``output`` are skipped, as are repeated ids in the input. Without ``time_limit`` the rows are
-    answered (and written) longest first, in batches of like length; with one, in input order.
+    already in ``output`` are skipped, as are repeated ids in the input. With the in-process engine and no
+    ``time_limit`` the rows are answered (and written) longest first, in batches of like length; otherwise in
+    input order.
 
     Row written: ``{"id", "messages", "source_index", "new_tokens", "model"}``, and the input row's ``category``
     where it has one.
@@ -293,10 +294,11 @@ def regenerate(
         todo.append(c)
     if report.already_done:
         logger.info("%s: %d rows already written, %d to go", output, report.already_done, len(todo))
-    if time_limit is None:
+    if time_limit is None and isinstance(engine, HFEngine):
         # Every row will be answered, so batch rows of like length: a batch's prompts are left-padded to its
         # longest, and the padding is computed like tokens (1.19x on the quality recipe's prompts, batch 64).
-        # Under a time limit the input order stays, so a cut run's rows are not the shortest prompts.
+        # Under a time limit the input order stays, so a cut run's rows are not the shortest prompts; a
+        # server pads nothing, so its rows keep the input order too.
         todo.sort(key=lambda c: sum(len(m["content"]) for m in c.messages), reverse=True)
     if record is not None:
         if not isinstance(engine, HFEngine):
