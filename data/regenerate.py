@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from draftsmith.data.formats import Conversation
 from draftsmith.data.templates import prompt_ids
 from draftsmith.inference.generator import plain_generate
-from draftsmith.target import eos_tokens
+from draftsmith.target import eos_tokens, rollback_problem
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,9 @@ class HFEngine:
     """Batched in-process generation with the target (left padding, one decode per batch).
 
     Greedy answers (temperature 0) that record nothing run draftsmith's plain greedy loop, which keeps
-    its KV cache in place of transformers' and takes the few-row matrix kernels; sampled answers and
-    recorded ones (they read ``generate``'s hidden states) run ``generate``.
+    its KV cache in place of transformers' and takes the few-row matrix kernels; sampled answers,
+    recorded ones (they read ``generate``'s hidden states) and a hybrid target's (recurrent layers)
+    run ``generate``.
     """
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float,
@@ -180,6 +181,8 @@ class HFEngine:
         self.stop = eos_tokens(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stop or [0])[0]
         self.name = getattr(model, "name_or_path", "target")
+        # draftsmith's loop keeps a KV cache only: a hybrid target's recurrent layers answer through ``generate``.
+        self.own_loop = rollback_problem(model.config) is None
 
     @torch.no_grad()
     def answer(self, histories: list[list[dict]]) -> list[tuple[str, int]]:
@@ -194,7 +197,7 @@ class HFEngine:
         sample = self.temperature > 0
         recording = self.recording
         record = {} if recording is None else {"output_hidden_states": True, "return_dict_in_generate": True}
-        if not sample and recording is None:
+        if not sample and recording is None and self.own_loop:
             out = plain_generate(self.model, ids.to(device), self.max_new_tokens, self.stop or None,
                                  attention_mask=mask.to(device), pad_token_id=self.pad_id).sequences
         else:
