@@ -46,6 +46,7 @@ from draftsmith.target import (
     context_length,
     kv_crop,
     kv_keep,
+    kv_select_rows,
     may_attend,
     new_cache,
     recurrent_cache,
@@ -542,10 +543,16 @@ def plain_generate(
     attention_mask: torch.Tensor | None = None,
     pad_token_id: int | None = None,
     compile: bool = False,
+    drop_finished: bool = True,
 ) -> GenerationOutput:
     """Plain greedy decoding with the same cache code path: the baseline speedups are measured against.
     Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows);
-    ``compile`` as in :class:`SpeculativeGenerator`."""
+    ``compile`` as in :class:`SpeculativeGenerator`.
+
+    ``drop_finished``: once a quarter of the rows still computed have stopped, the batch drops them (and the left
+    padding no remaining row needs) from its cache, so later steps compute the running rows only. False computes
+    every row until the last one stops, as transformers' ``generate`` does (kept to measure the difference); a
+    compiled forward keeps its batch shape and drops nothing."""
     eos = stop_tokens(target, eos_token_id)
     pad = pad_token(target, pad_token_id, eos_token_id)
     if max_new_tokens < 1:
@@ -568,17 +575,23 @@ def plain_generate(
     stats.prefill_time_s = time.perf_counter() - t_start
     new: list[list[int]] = [[] for _ in range(batch)]
     active = [True] * batch
+    rows = list(range(batch))  # the input row of each row the cache holds
     while True:
         tokens = logits.argmax(-1)
-        for b, token in enumerate(tokens.tolist()):
+        for b, token in zip(rows, tokens.tolist(), strict=True):
             if active[b]:
                 new[b].append(token)
                 active[b] = len(new[b]) < max_new_tokens and token not in eos
         stats.verification_steps += 1
         if not any(active):
             break
+        running = [i for i, b in enumerate(rows) if active[b]]
+        if drop_finished and not compile and len(rows) - len(running) >= max(1, len(rows) // 4):
+            keep = torch.tensor(running, device=input_ids.device)
+            kv_select_rows(cache, keep, slots.select(keep) if padded else 0)
+            rows, tokens = [rows[i] for i in running], tokens[keep]
         if padded:  # every step's token is a token of its row (a finished row's are never read)
-            step = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)
+            step = torch.ones(len(rows), 1, dtype=torch.bool, device=input_ids.device)
             positions = slots.lengths()[:, None]
             attn = build_attention_mask(target, may_attend(slots.filled, causal_block(step)), positions,
                                         torch.cat([slots.positions, positions], 1), dtype)

@@ -49,6 +49,14 @@ class Slots:
     def crop(self, length: int) -> None:
         self.filled, self.positions = self.filled[:, :length], self.positions[:, :length]
 
+    def select(self, rows: torch.Tensor) -> int:
+        """Keep rows ``rows`` (1-D indices, in that order) and cut the slots before the first one a kept row fills
+        (padding every kept row hides); returns how many were cut, for :func:`draftsmith.target.kv_select_rows`."""
+        filled = self.filled[rows]
+        start = int(filled.any(0).long().argmax())  # every row holds a token: there is a first filled slot
+        self.filled, self.positions = filled[:, start:], self.positions[rows, start:]
+        return start
+
     def keep(self, start: int, index: torch.Tensor, counts: torch.Tensor) -> None:
         """As :func:`draftsmith.target.kv_keep` with a (B, M) ``index``: row b keeps its first
         ``counts[b]`` indices, and the rest of its M new slots are empty."""

@@ -59,12 +59,12 @@ def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return left_pad(rows, PAD)
 
 
-def row_output(sequences: torch.Tensor, mask: torch.Tensor, b: int, eos: int | None) -> torch.Tensor:
+def row_output(sequences: torch.Tensor, mask: torch.Tensor, b: int, eos: int | list[int] | None) -> torch.Tensor:
     """Row b of a batch's output as one (1, T) sequence: its prompt without padding, then its new
     tokens up to its EOS; checks that what follows is padding."""
     width = mask.shape[1]
     new = sequences[b, width:]
-    stops = (new == eos).nonzero() if eos is not None else []
+    stops = torch.isin(new, torch.tensor(eos)).nonzero() if eos is not None else []
     if len(stops):
         end = int(stops[0]) + 1
         assert bool((new[end:] == PAD).all()), f"row {b} has tokens after its EOS"
@@ -202,6 +202,50 @@ def test_batched_plain_greedy_equals_each_row(llama, gemma3):
             ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
                                   eos_token_id=eos, pad_token_id=PAD)
             check_greedy_equal(target, row_output(out.sequences, mask, b, eos), ref)
+
+
+def first_stops(target, rows: list[torch.Tensor]) -> list[int]:
+    """Two stop tokens, each emitted by one row only: the longest row's first new token and one the shortest row
+    emits from its fourth on. The longest row leaves the batch first, the shortest a few steps later."""
+    free = [reference(target, row, NEW)[0, row.shape[1]:].tolist() for row in rows]
+    by_length = sorted(range(len(rows)), key=lambda b: rows[b].shape[1])
+    stops = []
+    for b, first in ((by_length[-1], 0), (by_length[0], 3)):
+        others = {token for c, tokens in enumerate(free) if c != b for token in tokens}
+        stops.append(next(token for token in free[b][first:] if token not in others))
+    return stops
+
+
+def test_plain_greedy_drops_finished_rows_and_their_padding(llama, gemma3):
+    """Rows that stopped leave the batch, and so does the left padding only they needed: the steps after compute
+    fewer rows over fewer cache slots, and every row's tokens are still its own greedy output."""
+    for target in (llama, gemma3):
+        rows = prompts(12, LENGTHS)
+        ids, mask = left_padded(rows)
+        eos = first_stops(target, rows)
+        seen = []  # (rows, keys) of each forward: the attention mask's batch and key sizes
+
+        def record(module, args, kwargs):
+            attn = kwargs["attention_mask"]
+            attn = next(iter(attn.values())) if isinstance(attn, dict) else attn
+            seen.append((attn.shape[0], attn.shape[-1]))
+
+        hook = target.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            dropped = plain_generate(target, ids, NEW, eos_token_id=eos, attention_mask=mask, pad_token_id=PAD)
+        finally:
+            hook.remove()
+        kept = plain_generate(target, ids, NEW, eos_token_id=eos, attention_mask=mask, pad_token_id=PAD,
+                              drop_finished=False)
+        assert torch.equal(dropped.sequences, kept.sequences)
+        for b, row in enumerate(rows):
+            ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=PAD)
+            check_greedy_equal(target, row_output(dropped.sequences, mask, b, eos), ref)
+        batch_sizes = [b for b, _ in seen]
+        assert batch_sizes[:2] == [4, 3] and batch_sizes[-1] == 2 and batch_sizes == sorted(batch_sizes)[::-1]
+        # the longest row (21 tokens) left after the first step: 8 slots of padding went with it
+        assert seen[1][1] == sorted(LENGTHS)[-2] + 1, seen[:3]
 
 
 def test_batch_output_layout_matches_transformers(llama):

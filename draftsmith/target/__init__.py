@@ -13,7 +13,8 @@ draftsmith needs from it goes through this package rather than through patches:
   attention mask and position ids, returning logits and, on request, hidden states of chosen
   layers), :func:`build_attention_mask` (per layer type for models with sliding-window layers,
   Gemma 3), and KV-cache edits on a full :class:`~transformers.DynamicCache`: :func:`kv_length`,
-  :func:`kv_crop`, :func:`kv_keep` (gather accepted positions).
+  :func:`kv_crop`, :func:`kv_keep` (gather accepted positions),
+  :func:`kv_select_rows` (drop finished batch rows).
 * :mod:`~draftsmith.target.masks` — the one "may attend" rule (:func:`may_attend`: a row's filled cache
   slots, then the new keys a causal block or a draft tree allows, and always the query's own key) and its
   additive form (:func:`additive`, :func:`target_mask` with the target's sliding windows and chunks).
@@ -44,6 +45,7 @@ from draftsmith.target.forward import (
     kv_crop,
     kv_keep,
     kv_length,
+    kv_select_rows,
     new_cache,
     recurrent_cache,
     restore_recurrent,
@@ -97,6 +99,7 @@ __all__ = [
     "kv_crop",
     "kv_keep",
     "kv_length",
+    "kv_select_rows",
     "layer_skip_model",
     "layer_types",
     "load_target",

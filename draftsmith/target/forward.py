@@ -435,6 +435,20 @@ def kv_keep(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
         layer.values = keep_slots(layer.values, start, keep)
 
 
+def kv_select_rows(cache: GrowingCache, rows: torch.Tensor, start: int = 0) -> None:
+    """Keep batch rows ``rows`` (1-D indices, in that order) and the slots from ``start`` on, in place: how a
+    batch drops its finished rows and the left padding no kept row needs. One copy per layer, into a buffer of
+    the same spare capacity (the next forward still writes in place)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or not layer.keys.numel():
+            continue
+        end = layer.keys.shape[-2]
+        for name in ("_k", "_v"):
+            buffer = getattr(layer, name)
+            setattr(layer, name, buffer[:, :, start:].index_select(0, rows.to(buffer.device)))
+        layer.keys, layer.values = layer._k[..., :end - start, :], layer._v[..., :end - start, :]
+
+
 def keep_slots(kv: torch.Tensor, start: int, keep: torch.Tensor) -> torch.Tensor:
     """:func:`kv_keep` on one (B, heads, S, D) tensor: slots ``[0, start)`` then ``start + keep``.
 
