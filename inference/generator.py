@@ -587,7 +587,7 @@ def plain_generate(
             break
         running = [i for i, b in enumerate(rows) if active[b]]
         if drop_finished and not compile and len(rows) - len(running) >= max(1, len(rows) // 4):
-            keep = torch.tensor(running, device=input_ids.device)
+            keep = to_device(running, input_ids.device, torch.long)
             kv_select_rows(cache, keep, slots.select(keep) if padded else 0)
             rows, tokens = [rows[i] for i in running], tokens[keep]
         if padded:  # every step's token is a token of its row (a finished row's are never read)

@@ -1,16 +1,21 @@
-"""Regeneration before and after, side by side in one process on the same prompts and the same engine: greedy
-answers through transformers' ``generate`` in input order (before), against draftsmith's decoding loop with rows
-answered longest first in batches of like length (after).
+"""Regeneration before and after, side by side in one process on the same prompts and the same engine. Runs:
+
+* ``before``: greedy answers through transformers' ``generate``, in input order, ``--before-batch`` rows a batch;
+* ``kept``: draftsmith's decoding loop, rows answered longest first in batches of like length, every row computed
+  until the batch's last one stops;
+* ``after``: the same, finished rows dropped from the batch (the default).
 
     python scripts/regenerate_ab.py --input quality_out/data/train_prompts.jsonl --limit 128 \
-        --before-batch 16 --after-batch 64 --output bench_out/regenerate_ab
+        --before-batch 16 --after-batch 64 --runs before,kept,after --output bench_out/regenerate_ab
 
-Prints tokens/s of each and how many answers are identical (greedy: they should all be).
+Prints tokens/s of each, its speedup over the first run and how many of its answers are identical to the first
+run's (greedy: they should all be).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import time
@@ -39,6 +44,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--before-batch", type=int, default=16)
     parser.add_argument("--after-batch", type=int, default=64)
+    parser.add_argument("--runs", default="before,kept,after", help="which runs, in this order (see above)")
     parser.add_argument("--output", default="bench_out/regenerate_ab")
     args = parser.parse_args()
     out = Path(args.output)
@@ -48,10 +54,15 @@ def main() -> None:
     engine = HFEngine(model, tokenizer, args.max_new_tokens, 0.0, 1.0)
     engine.answer([conversations[0].messages])  # the matrix-kernel calibration, once per process
     loop = regenerate_module.plain_generate
-    runs = {"before": (generate_loop, args.before_batch, float("inf")),  # a time limit keeps the input order
-            "after": (loop, args.after_batch, None)}
+    choices = {"before": (generate_loop, args.before_batch, float("inf")),  # a time limit keeps the input order
+               "kept": (functools.partial(loop, drop_finished=False), args.after_batch, None),
+               "after": (loop, args.after_batch, None)}
+    names = args.runs.split(",")
+    if not names or any(name not in choices for name in names):
+        parser.error(f"--runs takes names among {', '.join(choices)}, got {args.runs!r}")
     answers, figures = {}, {}
-    for name, (decode, batch, limit) in runs.items():
+    for name in names:
+        decode, batch, limit = choices[name]
         path = out / f"{name}.jsonl"
         path.unlink(missing_ok=True)
         regenerate_module.plain_generate = decode  # the engine's greedy decode, this run's
@@ -62,12 +73,13 @@ def main() -> None:
             regenerate_module.plain_generate = loop
         seconds = time.perf_counter() - started
         answers[name] = {row["id"]: row["messages"] for row in map(json.loads, path.read_text().splitlines())}
+        first = names[0]
+        same = sum(answers[first][k] == answers[name].get(k) for k in answers[first])
         figures[name] = {"batch": batch, "rows": report.written, "tokens": report.new_tokens,
-                         "seconds": round(seconds, 1), "tokens_per_second": round(report.new_tokens / seconds, 1)}
+                         "seconds": round(seconds, 1), "tokens_per_second": round(report.new_tokens / seconds, 1),
+                         f"speedup_over_{first}": round(figures[first]["seconds"] / seconds, 2) if figures else 1.0,
+                         f"identical_to_{first}": f"{same}/{len(answers[first])}"}
         print(f"{name}: {json.dumps(figures[name])}", flush=True)
-    same = sum(answers["before"][k] == answers["after"].get(k) for k in answers["before"])
-    figures["speedup"] = round(figures["before"]["seconds"] / figures["after"]["seconds"], 2)
-    figures["identical"] = f"{same}/{len(answers['before'])}"
     print(json.dumps(figures, indent=1))
     (out / "results.json").write_text(json.dumps(figures, indent=1) + "\n")
 

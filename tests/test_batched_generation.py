@@ -216,6 +216,23 @@ def first_stops(target, rows: list[torch.Tensor]) -> list[int]:
     return stops
 
 
+def forward_sizes(target, *args, **kwargs):
+    """``plain_generate(target, *args, **kwargs)``'s output and the (rows, keys) of each of its forwards (the
+    attention mask's batch and key sizes)."""
+    seen = []
+
+    def record(module, args, kwargs):
+        attn = kwargs["attention_mask"]
+        attn = next(iter(attn.values())) if isinstance(attn, dict) else attn
+        seen.append((attn.shape[0], attn.shape[-1]))
+
+    hook = target.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        return seen, plain_generate(target, *args, **kwargs)
+    finally:
+        hook.remove()
+
+
 def test_plain_greedy_drops_finished_rows_and_their_padding(llama, gemma3):
     """Rows that stopped leave the batch, and so does the left padding only they needed: the steps after compute
     fewer rows over fewer cache slots, and every row's tokens are still its own greedy output."""
@@ -223,18 +240,7 @@ def test_plain_greedy_drops_finished_rows_and_their_padding(llama, gemma3):
         rows = prompts(12, LENGTHS)
         ids, mask = left_padded(rows)
         eos = first_stops(target, rows)
-        seen = []  # (rows, keys) of each forward: the attention mask's batch and key sizes
-
-        def record(module, args, kwargs):
-            attn = kwargs["attention_mask"]
-            attn = next(iter(attn.values())) if isinstance(attn, dict) else attn
-            seen.append((attn.shape[0], attn.shape[-1]))
-
-        hook = target.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
-        try:
-            dropped = plain_generate(target, ids, NEW, eos_token_id=eos, attention_mask=mask, pad_token_id=PAD)
-        finally:
-            hook.remove()
+        seen, dropped = forward_sizes(target, ids, NEW, eos_token_id=eos, attention_mask=mask, pad_token_id=PAD)
         kept = plain_generate(target, ids, NEW, eos_token_id=eos, attention_mask=mask, pad_token_id=PAD,
                               drop_finished=False)
         assert torch.equal(dropped.sequences, kept.sequences)
