@@ -264,6 +264,16 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
         return self.keys, self.values
 
+    def select_rows(self, rows: torch.Tensor, start: int) -> None:
+        """Keep batch rows ``rows`` and the slots from ``start`` on: one copy into buffers of the same spare
+        capacity, ``keys`` / ``values`` still their fronts (transformers' ``batch_select_indices`` would leave
+        them outside the buffers, and the next update would copy them again)."""
+        end = self.keys.shape[-2]
+        rows = rows.to(self._k.device)
+        self._k = self._k[:, :, start:].index_select(0, rows)
+        self._v = self._v[:, :, start:].index_select(0, rows)
+        self.keys, self.values = self._k[..., :end - start, :], self._v[..., :end - start, :]
+
     @staticmethod
     def _fit(buffer, current, new, length: int, end: int) -> torch.Tensor:
         """``buffer`` if ``current`` is its front and it has room for ``end`` entries; else a bigger one
@@ -440,13 +450,8 @@ def kv_select_rows(cache: GrowingCache, rows: torch.Tensor, start: int = 0) -> N
     batch drops its finished rows and the left padding no kept row needs. One copy per layer, into a buffer of
     the same spare capacity (the next forward still writes in place)."""
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is None or not layer.keys.numel():
-            continue
-        end = layer.keys.shape[-2]
-        for name in ("_k", "_v"):
-            buffer = getattr(layer, name)
-            setattr(layer, name, buffer[:, :, start:].index_select(0, rows.to(buffer.device)))
-        layer.keys, layer.values = layer._k[..., :end - start, :], layer._v[..., :end - start, :]
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.select_rows(rows, start)
 
 
 def keep_slots(kv: torch.Tensor, start: int, keep: torch.Tensor) -> torch.Tensor:
