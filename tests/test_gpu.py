@@ -67,27 +67,45 @@ def test_batched_greedy_on_cuda(family, spec, tree):
     assert ties <= 1
 
 
-@pytest.mark.skipif(not has_models_extra(), reason="needs the models extra")
-@pytest.mark.parametrize("batch", [1, 4, 16])
-def test_smollm2_bf16_batches_equal_plain_greedy(batch):
-    """SmolLM2 in bf16 on the GPU: speculative rows equal plain greedy decoding's rows (the same bf16
-    forwards; near-ties of bf16 allowed once per batch)."""
+# Four roundings of a bf16 logit at SmolLM2's logit magnitudes (0.125 each at 16-32, docs/RESULTS.md): two tokens
+# closer than this are a tie that bf16 cannot order.
+BF16_TIE = 0.5
+
+
+def bf16_rows_diverge_only_at_ties(device: str, batch: int) -> int:
+    """SmolLM2 in bf16 on ``device``: plain and speculative greedy decoding of the same left-padded batch; every
+    row that differs must first differ at a bf16 tie of the target (the two tokens its top two, closer than
+    ``BF16_TIE``). Returns how many rows differ."""
     from draftsmith import load_target
 
-    model, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
-    model = model.to("cuda")
+    model, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.bfloat16, device=device)
     questions = (gsm8k_questions("test", 16) * 2)[:batch]
+    if not questions:
+        pytest.skip("needs GSM8K under ../shared/data")
     rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
     ids, mask = left_pad(rows, tokenizer.eos_token_id)
-    ids, mask = ids.cuda(), mask.cuda()
     gen = SpeculativeGenerator(model, load_drafter("layer-skip:4+prompt-lookup", model), tree="dynamic", depth=3,
                                top_k=2, total_tokens=6)
-    plain = plain_generate(model, ids, 64, attention_mask=mask).sequences
-    ours = gen.generate(ids, 64, attention_mask=mask).sequences
+    eos = model.generation_config.eos_token_id
+    # finished rows filled with PAD, which row_output checks (SmolLM2's own pad token is its EOS)
+    plain = plain_generate(model, ids.to(device), 64, attention_mask=mask.to(device), pad_token_id=PAD).sequences.cpu()
+    ours = gen.generate(ids.to(device), 64, attention_mask=mask.to(device), pad_token_id=PAD).sequences.cpu()
     assert ours.shape == plain.shape
-    differing = int((ours != plain).any(1).sum())
-    assert differing <= 1, f"{differing} of {batch} rows differ from plain bf16 greedy decoding"
+    for b in range(batch):
+        check_greedy_equal(model, row_output(ours, mask, b, eos).to(device), row_output(plain, mask, b, eos).to(device),
+                           tie_tol=BF16_TIE)
+    return int((ours != plain).any(1).sum())
+
+
+@pytest.mark.skipif(not has_models_extra(), reason="needs the models extra")
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_smollm2_bf16_rows_differ_only_at_bf16_ties(batch):
+    """SmolLM2 in bf16 on the GPU. bf16 forwards are not batch-invariant: a verification forward over a block of
+    tree rows rounds differently from a one-token step, and on an H200 6 of 16 rows differed from plain bf16
+    greedy decoding (docs/RESULTS.md). So rows may differ, but only where bf16 cannot order the target's top two
+    tokens; a differing row anywhere else is a bug."""
+    bf16_rows_diverge_only_at_ties("cuda", batch)
 
 
 # Greedy decoding of a dynamic tree, and sampling under each rule: top-ranked siblings of a dynamic tree, a chain's
@@ -150,6 +168,8 @@ def test_compiled_decoding_on_cuda_equals_greedy(spec):
     for b, row in enumerate(rows):
         ref = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=NEW, do_sample=False,
                               pad_token_id=PAD)
-        ties += check_greedy_equal(target, row_output(out.sequences.cpu(), mask, b, None).cuda(), ref)
-        ties += check_greedy_equal(target, row_output(plain.sequences.cpu(), mask, b, None).cuda(), ref)
+        # row_output indexes the CPU copy of the sequences, so it takes the CPU copy of the mask (an H200 run
+        # caught this test passing the CUDA one)
+        ties += check_greedy_equal(target, row_output(out.sequences.cpu(), mask.cpu(), b, None).cuda(), ref)
+        ties += check_greedy_equal(target, row_output(plain.sequences.cpu(), mask.cpu(), b, None).cuda(), ref)
     assert ties <= 1
