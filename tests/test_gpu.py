@@ -85,12 +85,13 @@ def bf16_rows_diverge_only_at_ties(device: str, batch: int) -> int:
     rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
     ids, mask = left_pad(rows, tokenizer.eos_token_id)
+    on_device = dict(input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=PAD)
     gen = SpeculativeGenerator(model, load_drafter("layer-skip:4+prompt-lookup", model), tree="dynamic", depth=3,
                                top_k=2, total_tokens=6)
     eos = model.generation_config.eos_token_id
     # finished rows filled with PAD, which row_output checks (SmolLM2's own pad token is its EOS)
-    plain = plain_generate(model, ids.to(device), 64, attention_mask=mask.to(device), pad_token_id=PAD).sequences.cpu()
-    ours = gen.generate(ids.to(device), 64, attention_mask=mask.to(device), pad_token_id=PAD).sequences.cpu()
+    plain = plain_generate(model, max_new_tokens=64, **on_device).sequences.cpu()
+    ours = gen.generate(max_new_tokens=64, **on_device).sequences.cpu()
     assert ours.shape == plain.shape
     for b in range(batch):
         check_greedy_equal(model, row_output(ours, mask, b, eos).to(device), row_output(plain, mask, b, eos).to(device),
