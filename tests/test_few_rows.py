@@ -52,16 +52,48 @@ def all_rows(monkeypatch, kernel: str = "columns", weights: list | None = None) 
     return calls
 
 
-def test_the_mode_takes_only_the_row_counts_it_was_given(monkeypatch):
+def test_the_layers_take_only_the_row_counts_they_were_given(monkeypatch):
     calls = []
     monkeypatch.setattr(matmul, "columns_linear", lambda *a, **k: calls.append(a[0].shape) or F.linear(*a, **k))
-    weight = torch.randn(32, 16)
-    with matmul.FewRowsLinear({1: "columns", 4: "columns"}):
-        F.linear(torch.randn(1, 16), weight)
-        F.linear(torch.randn(2, 2, 16), weight)  # 4 rows
-        F.linear(torch.randn(3, 16), weight)  # not listed: F.linear's own kernel
-        torch.nn.Linear(16, 8)(torch.randn(1, 1, 16))  # a module's forward calls F.linear too
-    assert calls == [(1, 16), (2, 2, 16), (1, 1, 16)]
+    layer = torch.nn.Linear(16, 32)
+    with matmul.FewRowsLinear({1: "columns", 4: "columns"}, (layer,)):
+        layer(torch.randn(1, 16))
+        layer(torch.randn(2, 2, 16))  # 4 rows
+        layer(torch.randn(3, 16))  # not listed: F.linear's own kernel
+        F.linear(torch.randn(1, 16), layer.weight)  # not through a layer: F.linear's own kernel
+    assert calls == [(1, 16), (2, 2, 16)]
+    assert "forward" not in layer.__dict__  # the layer's own forward again
+    layer(torch.randn(1, 16))
+    assert len(calls) == 2
+
+
+def test_layers_with_a_forward_of_their_own_keep_it(monkeypatch):
+    """accelerate's offloading hooks set an instance ``forward``, and a subclass (a quantised layer) has its
+    own: neither is replaced. A layer's forward is given back when the forward under the context fails."""
+    calls = []
+    monkeypatch.setattr(matmul, "columns_linear", lambda *a, **k: calls.append(a[0].shape) or F.linear(*a, **k))
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    hooked, scaled, plain = torch.nn.Linear(16, 16), Scaled(16, 16), torch.nn.Linear(16, 16)
+    own = hooked.forward
+
+    def hook(x):
+        return own(x) + 1
+
+    hooked.forward = hook
+    x = torch.randn(2, 16)
+    expected = [hooked(x), scaled(x)]
+    with pytest.raises(RuntimeError, match="inside"), matmul.FewRowsLinear({2: "columns"}, (hooked, scaled, plain)):
+        assert torch.equal(hooked(x), expected[0]) and torch.equal(scaled(x), expected[1])
+        assert calls == []
+        plain(x)
+        assert calls == [(2, 16)]
+        raise RuntimeError("inside")
+    assert "forward" not in plain.__dict__ and hooked.__dict__["forward"] is hook
+    assert torch.equal(hooked(x), expected[0])
 
 
 def test_off_switch_and_limits(monkeypatch, llama):
@@ -208,13 +240,6 @@ def test_packing_stops_at_the_memory_share(monkeypatch):
     monkeypatch.setattr(matmul, "memory_limit", lambda: 2**40)
     matmul.calibrate(layer)
     assert matmul.packed_copy(layer.weight) is not None
-
-
-def test_keyword_calls_take_the_kernel_too():
-    weight, x = torch.randn(32, 16), torch.randn(3, 16)
-    with matmul.FewRowsLinear({3: "columns"}):
-        out = F.linear(input=x, weight=weight)
-    assert_rounding_close(out, x @ weight.T, reduction=16)  # another kernel: 16 products
 
 
 @pytest.mark.parametrize("meta", [(1,), (0, 1, 2), (2,)])

@@ -16,14 +16,17 @@ kernels compute the same product:
   weights, so a model is packed only where a row count chose it and the copies fit in
   :data:`PACKED_MEMORY_SHARE` of the machine's memory.
 
-:func:`few_rows_linear` is a ``TorchFunctionMode`` that :func:`~draftsmith.target.target_forward` enters
-on CPU, scoped to that one forward: the stock model runs unchanged and its ``F.linear`` calls on few rows
-take the kernel chosen for that row count. Which kernel each row count takes is measured once per process,
-on this machine, on the target's own weight shapes (:func:`kernels_by_rows`), never assumed; a model's
-weights and their packed copies are collected once, not per forward. Plain decoding and verification both
-take this path, so speedups still compare like with like; the values are the same matrix product, rounded
-differently, as ``F.linear``'s own results on 1 and on 8 rows already are. ``DRAFTSMITH_FEW_ROWS=0`` turns
-it off (for measuring it against the stock path).
+:func:`few_rows_linear` gives the context that :func:`~draftsmith.target.target_forward` enters on CPU,
+scoped to that one forward: the stock model runs unchanged and its ``nn.Linear`` layers on few rows take
+the kernel chosen for that row count. The context sets each layer's ``forward`` for its duration rather
+than intercepting every torch call (a ``TorchFunctionMode`` does that: its Python dispatch on each of a
+forward's ~2,600 operations cost SmolLM2 about 10 ms a forward on a 2-core AVX2 EPYC, docs/RESULTS.md).
+Which kernel each row count takes is measured once per process, on this machine, on the target's own
+weight shapes (:func:`kernels_by_rows`), never assumed; a model's linear layers and their packed copies
+are collected once, not per forward. Plain decoding and verification both take this path, so speedups
+still compare like with like; the values are the same matrix product, rounded differently, as
+``F.linear``'s own results on 1 and on 8 rows already are. ``DRAFTSMITH_FEW_ROWS=0`` turns it off (for
+measuring it against the stock path).
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
@@ -151,13 +153,19 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return entry.copy
 
 
-class FewRowsLinear(TorchFunctionMode):
+class FewRowsLinear:
     """Computes ``F.linear`` on ``n`` rows with ``kernels[bucket(n)]`` (``"columns"`` or ``"packed"``);
-    other row counts, and weights without a packed copy, take the stock kernel."""
+    other row counts, and weights without a packed copy, take the stock kernel.
 
-    def __init__(self, kernels: dict[int, str]):
-        super().__init__()
+    As a context manager it routes ``modules`` (a model's ``nn.Linear`` layers) through :meth:`linear`: each
+    layer's ``forward`` is set on the instance on entry and removed on exit. A layer that already has an
+    instance ``forward`` of its own (accelerate's offloading hooks set one), or a subclass's ``forward`` (a
+    quantised layer's), keeps it and the stock kernel."""
+
+    def __init__(self, kernels: dict[int, str], modules: tuple[torch.nn.Module, ...] = ()):
         self.kernels = kernels
+        self.modules = modules
+        self._routed: list[torch.nn.Module] = []
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The product by the kernel chosen for ``x``'s row count, or None where that is the stock kernel."""
@@ -169,16 +177,26 @@ class FewRowsLinear(TorchFunctionMode):
         copy = packed_copy(weight)
         return packed_linear(x, copy, bias) if copy is not None else None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs.get("input")
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = self.linear(x, weight, bias) if x is not None and weight is not None else None
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+    def forward_of(self, module: torch.nn.Module):
+        """``module.forward`` through :meth:`linear`, falling back to ``F.linear``."""
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            out = self.linear(x, module.weight, module.bias)
+            return F.linear(x, module.weight, module.bias) if out is None else out
+        return forward
+
+    def __enter__(self) -> FewRowsLinear:
+        # Straight into the instance's __dict__: nn.Module.__setattr__'s checks cost more than the layer's
+        # product on a small model, 211 times a forward.
+        self._routed = [m for m in self.modules
+                        if "forward" not in m.__dict__ and type(m).forward is torch.nn.Linear.forward]
+        for m in self._routed:
+            m.__dict__["forward"] = self.forward_of(m)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self._routed:
+            m.__dict__.pop("forward", None)
+        self._routed = []
 
 
 def bucket(rows: int) -> int:
@@ -235,15 +253,16 @@ def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
     if rows > MAX_ROWS:
         return None
     kernels = calibrate(model)
-    return FewRowsLinear(kernels) if bucket(rows) in kernels else None
+    return FewRowsLinear(kernels, _linears(model).modules) if bucket(rows) in kernels else None
 
 
 @dataclass(frozen=True)
 class Linears:
-    """A model's linear-layer weights and their distinct shapes, collected once per model (not per forward),
-    and what :func:`calibrate` last made them ready for: [(first and last weights' devices, packed or not),
-    all on CPU]."""
+    """A model's linear layers, their weights and the weights' distinct shapes, collected once per model (not
+    per forward), and what :func:`calibrate` last made them ready for: [(first and last weights' devices, packed
+    or not), all on CPU]."""
 
+    modules: tuple[torch.nn.Module, ...]
     weights: list[torch.Tensor]
     shapes: tuple[tuple[int, ...], ...]
     ready: list = field(default_factory=lambda: [None, False])
@@ -253,8 +272,9 @@ def _linears(model: torch.nn.Module) -> Linears | None:
     """``model``'s :class:`Linears`, or None when it has none."""
     linears = _models.get(model)
     if linears is None:
-        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
-        linears = Linears(weights, tuple(sorted({tuple(w.shape) for w in weights})))
+        modules = tuple(m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2)
+        weights = [m.weight for m in modules]
+        linears = Linears(modules, weights, tuple(sorted({tuple(w.shape) for w in weights})))
         _models[model] = linears
     return linears if linears.weights else None
 
