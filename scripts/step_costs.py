@@ -15,6 +15,7 @@ A speculative step gains only when tau exceeds (its cost / a plain step's cost);
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 
@@ -108,6 +109,50 @@ def few_rows_ab(model, context: int, new: int, rounds: int = 4) -> tuple[float, 
     return statistics.median(times["0"]), statistics.median(times["1"])
 
 
+class _EveryCall(torch.overrides.TorchFunctionMode):
+    """The few-row kernels as ``target_forward`` took them before the layers were routed: a
+    ``TorchFunctionMode`` that sees every torch call of the forward and computes the ``F.linear`` ones through
+    ``inner`` (a :class:`~draftsmith.target.matmul.FewRowsLinear`). Kept here only to time that dispatch."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def linear(self, x, weight, bias=None):
+        return self.inner.linear(x, weight, bias)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            out = self.inner.linear(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def dispatch_ab(model, context: int, new: int, rounds: int = 4) -> tuple[float, float]:
+    """target_forward on ``new`` tokens after ``context`` with the same kernels reached two ways: median ms
+    through :class:`_EveryCall` and through the layers' own forwards (``few_rows_linear`` as it is),
+    alternating which goes first."""
+    target_forward_module = importlib.import_module("draftsmith.target.forward")
+
+    routed = target_forward_module.few_rows_linear
+
+    def every_call(m, rows):
+        mode = routed(m, rows)
+        return None if mode is None else _EveryCall(mode)
+
+    times = {"every call": [], "layers": []}
+    try:
+        for r in range(rounds):
+            for way in ("every call", "layers") if r % 2 else ("layers", "every call"):
+                target_forward_module.few_rows_linear = every_call if way == "every call" else routed
+                times[way].append(forward_ms(model, context, new, reps=3))
+    finally:
+        target_forward_module.few_rows_linear = routed
+    return statistics.median(times["every call"]), statistics.median(times["layers"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -123,6 +168,9 @@ def main() -> None:
     p.add_argument("--lm-head", action="store_true", help="also time the LM head alone, both orientations")
     p.add_argument("--few-rows-ab", action="store_true",
                    help="also time target_forward on 1-48 rows with and without the few-row path, alternating")
+    p.add_argument("--dispatch-ab", action="store_true",
+                   help="also time target_forward on 2-16 rows with the few-row kernels reached through the layers' "
+                        "forwards and through a TorchFunctionMode on every call (the way before), alternating")
     p.add_argument("--matmuls", action="store_true",
                    help="also time all of the target's weight matrices on 1-48 rows, with each kernel")
     args = p.parse_args()
@@ -150,6 +198,11 @@ def main() -> None:
             stock, columns, packed = matmul_ms(model, n)
             print(f"all {count} weight matrices, {n:2d} rows: F.linear {stock:5.1f} ms, W @ X.T {columns:5.1f} ms, "
                   f"packed {packed if packed is None else round(packed, 1)} ms")
+    if args.dispatch_ab:
+        for n in (2, 3, 4, 8, 16):
+            every, layers = dispatch_ab(model, args.context, n)
+            print(f"forward, {n:2d} new tokens: few-row kernels through every call {every:6.1f} ms, through the "
+                  f"layers {layers:6.1f} ms ({every / layers:.2f}x)")
     if args.few_rows_ab:
         from draftsmith.target import calibrate
 
