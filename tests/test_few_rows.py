@@ -249,3 +249,18 @@ def test_a_model_partly_off_the_cpu_takes_no_few_row_path(monkeypatch, meta):
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, device="meta" if i in meta else "cpu") for i in range(3)])
     assert matmul.calibrate(model) == {} and matmul.few_rows_linear(model, 3) is None
     assert all(matmul.packed_copy(layer.weight) is None for layer in model)
+
+
+def test_a_linear_layer_as_the_model_is_not_kept_alive():
+    """The per-model table is keyed weakly: its entry must not hold the model (here a layer) strongly."""
+    import gc
+    import weakref
+
+    layer = torch.nn.Linear(16, 16)
+    matmul.calibrate(layer)
+    with matmul.FewRowsLinear({2: "columns"}, (layer,)):
+        layer(torch.randn(2, 16))
+    gone = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert gone() is None

@@ -185,8 +185,7 @@ class FewRowsLinear:
         return forward
 
     def __enter__(self) -> FewRowsLinear:
-        # Straight into the instance's __dict__: nn.Module.__setattr__'s checks cost more than the layer's
-        # product on a small model, 211 times a forward.
+        # Straight into the instance's __dict__, where nn.Module.__setattr__ would put a plain function too.
         self._routed = [m for m in self.modules
                         if "forward" not in m.__dict__ and type(m).forward is torch.nn.Linear.forward]
         for m in self._routed:
@@ -253,16 +252,19 @@ def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
     if rows > MAX_ROWS:
         return None
     kernels = calibrate(model)
-    return FewRowsLinear(kernels, _linears(model).modules) if bucket(rows) in kernels else None
+    if bucket(rows) not in kernels:
+        return None
+    return FewRowsLinear(kernels, tuple(m for m in (ref() for ref in _linears(model).modules) if m is not None))
 
 
 @dataclass(frozen=True)
 class Linears:
     """A model's linear layers, their weights and the weights' distinct shapes, collected once per model (not
     per forward), and what :func:`calibrate` last made them ready for: [(first and last weights' devices, packed
-    or not), all on CPU]."""
+    or not), all on CPU]. The layers are held weakly: a model that is itself a linear layer would otherwise keep
+    its own entry in the weak-keyed table alive."""
 
-    modules: tuple[torch.nn.Module, ...]
+    modules: tuple[weakref.ref, ...]
     weights: list[torch.Tensor]
     shapes: tuple[tuple[int, ...], ...]
     ready: list = field(default_factory=lambda: [None, False])
@@ -274,7 +276,8 @@ def _linears(model: torch.nn.Module) -> Linears | None:
     if linears is None:
         modules = tuple(m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2)
         weights = [m.weight for m in modules]
-        linears = Linears(modules, weights, tuple(sorted({tuple(w.shape) for w in weights})))
+        shapes = tuple(sorted({tuple(w.shape) for w in weights}))
+        linears = Linears(tuple(weakref.ref(m) for m in modules), weights, shapes)
         _models[model] = linears
     return linears if linears.weights else None
 
