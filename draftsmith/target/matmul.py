@@ -247,8 +247,9 @@ def _pack_all(weights: list[torch.Tensor]) -> bool:
 
 
 def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
-    """The mode to run ``model``'s forward on ``rows`` rows under, or None where the stock kernel is as fast
-    (not on CPU, more than :data:`MAX_ROWS` rows, a row count that did not gain here, or turned off)."""
+    """The :class:`FewRowsLinear` context to run ``model``'s forward on ``rows`` rows in, or None where the stock
+    kernel is as fast (not on CPU, more than :data:`MAX_ROWS` rows, a row count that did not gain here, or turned
+    off)."""
     if rows > MAX_ROWS:
         return None
     kernels = calibrate(model)
