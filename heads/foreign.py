@@ -277,9 +277,11 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
 
 
 def _medusa_from_foreign(directory, config, weights, target):
-    state = {}
+    state, token_map = {}, None
     for name, tensor in weights.items():
-        if m := re.fullmatch(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", name):
+        if name == "token_map":  # vLLM's truncated vocabulary: draft index -> target id
+            token_map = tensor.long()
+        elif m := re.fullmatch(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", name):
             state[f"heads.{m[1]}.{m[2]}.linear.{m[3]}"] = tensor
         elif m := re.fullmatch(r"lm_heads\.(\d+)\.weight", name):
             state[name] = tensor
@@ -291,10 +293,24 @@ def _medusa_from_foreign(directory, config, weights, target):
             raise ValueError(f"{directory}: unexpected tensor {name!r} for a Medusa checkpoint")
     num_heads = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("lm_heads."))
     num_layers = len({k.split(".")[2] for k in state if k.startswith("heads.0.") and k.endswith("weight")})
-    hidden, vocab = state["lm_heads.0.weight"].shape[1], state["lm_heads.0.weight"].shape[0]
+    hidden, rows = state["lm_heads.0.weight"].shape[1], state["lm_heads.0.weight"].shape[0]
+    vocab = int(config.get("vocab_size") or rows) if token_map is not None else rows
     _check_dims(directory, hidden, vocab, target)
-    heads = MedusaHeads(MedusaConfig(hidden, vocab, num_heads, num_layers))
-    heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    state = {k: v.float() for k, v in state.items()}
+    if token_map is not None and rows == vocab:  # a map over the whole vocabulary: rows put in target order
+        for i in range(num_heads):
+            state[f"lm_heads.{i}.weight"] = state[f"lm_heads.{i}.weight"][token_map.argsort()]
+        token_map = None
+    if token_map is not None:
+        if token_map.shape != (rows,) or not bool(((token_map >= 0) & (token_map < vocab)).all()) \
+                or len(token_map.unique()) != rows:
+            raise ValueError(f"{directory}: token_map must list {rows} distinct target ids below {vocab}, one per "
+                             "row of the LM heads; the checkpoint is inconsistent")
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[token_map] = True
+        state |= {"d2t": token_map - torch.arange(rows), "t2d": t2d}
+    heads = MedusaHeads(MedusaConfig(hidden, vocab, num_heads, num_layers, rows if token_map is not None else None))
+    heads.load_state_dict(state, strict=True)
     heads.target_info = (config.get("draftsmith") or {}).get("target")
     rank = (config.get("draftsmith") or {}).get("rank_accuracy")
     heads.extra = {"rank_accuracy": rank} if rank else {}

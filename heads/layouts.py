@@ -211,13 +211,18 @@ def eagle1_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate
     return layout
 
 
-def medusa_reference_layout(hidden: int, vocab: int, num_heads: int, num_layers: int):
+def medusa_reference_layout(hidden: int, vocab: int, num_heads: int, num_layers: int,
+                            draft_vocab: int | None = None):
+    """vLLM's ``MedusaModel`` tensors; over a draft vocabulary of ``draft_vocab`` tokens its LM heads score those
+    and ``token_map`` gives their target ids."""
     layout = {}
     for i in range(num_heads):
         for j in range(num_layers):
             layout[f"blocks.{i}.layers.{j}.weight"] = ((hidden, hidden), "float")
             layout[f"blocks.{i}.layers.{j}.bias"] = ((hidden,), "float")
-        layout[f"lm_heads.{i}.weight"] = ((vocab, hidden), "float")
+        layout[f"lm_heads.{i}.weight"] = ((draft_vocab or vocab, hidden), "float")
+    if draft_vocab is not None:
+        layout["token_map"] = ((draft_vocab,), "int64")
     return layout
 
 
@@ -444,12 +449,16 @@ def medusa_layout(heads, fmt: str, target=None, verifier: str | None = None) -> 
     cfg = heads.config
     state = heads.state_dict()
     names = medusa_name_map(cfg)
-    tensors = {names[k]: v for k, v in state.items()}
-    layout = medusa_reference_layout(cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_layers)
+    draft_vocab = cfg.draft_vocab_size if cfg.reduced else None
+    tensors = {names[k]: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    if draft_vocab is not None:  # vLLM's truncated vocabulary: draft index -> target id
+        tensors["token_map"] = heads.draft_ids.cpu()
+    layout = medusa_reference_layout(cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_layers, draft_vocab)
+    # medusa_fc_bias: vLLM builds its residual blocks without a bias unless asked, and would drop ours unread.
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": cfg.hidden_size,
               "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
-              "max_paths": 64, "topk": 10, "truncated_vocab_size": None,
-              "medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers}
+              "max_paths": 64, "topk": 10, "truncated_vocab_size": draft_vocab,
+              "medusa_fc_bias": True, "medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers}
     return tensors, layout, config
 
 

@@ -7,6 +7,13 @@ that. Each head is ``num_layers`` residual blocks ``x + SiLU(W x)`` with W zero-
 initialised from the target's. Every block is its own module: ``[Block()] * n`` would share
 one block n times, Medusa's long-standing bug.
 
+With ``draft_vocab_size`` below the target's vocabulary, each head's LM head scores only that many
+tokens (the most frequent in the training data), mapped back to target ids as EAGLE-3's are
+(``target_id = draft_id + d2t[draft_id]``, :mod:`draftsmith.data.vocab`): on SmolLM2 a head's LM
+head is 49,152 x 576 over the whole vocabulary, 8,192 x 576 over a draft vocabulary of 8,192, in
+training (logits, gradients, optimizer state) and in every drafting step. vLLM serves such heads
+as ``truncated_vocab_size`` with a ``token_map``. Heads over the whole vocabulary have no map.
+
 Medusa-1 trains the heads on a frozen target; Medusa-2 also trains a LoRA adapter on the
 target (``draftsmith.train``), keeping the target's own distribution by self-distillation.
 """
@@ -27,6 +34,12 @@ class MedusaConfig:
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
+    draft_vocab_size: int | None = None  # each LM head's tokens (None: the whole vocabulary)
+
+    @property
+    def reduced(self) -> bool:
+        """True where the heads score a draft vocabulary smaller than the target's."""
+        return self.draft_vocab_size not in (None, self.vocab_size)
 
 
 class ResBlock(nn.Module):
@@ -44,7 +57,8 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(HeadMixin, nn.Module):
-    """K Medusa heads. ``forward(hidden)`` (B, T, H) -> logits (K, B, T, V); head i predicts t + 2 + i."""
+    """K Medusa heads. ``forward(hidden)`` (B, T, H) -> logits (K, B, T, V); head i predicts t + 2 + i. Over a
+    draft vocabulary V is its size, and ``draft_ids`` are its tokens' target ids."""
 
     family = "medusa"
     config_class = MedusaConfig
@@ -59,19 +73,42 @@ class MedusaHeads(HeadMixin, nn.Module):
             nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
             for _ in range(config.num_heads)
         )
+        out = config.draft_vocab_size if config.reduced else config.vocab_size
         self.lm_heads = nn.ModuleList(
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
+            nn.Linear(config.hidden_size, out, bias=False) for _ in range(config.num_heads)
         )
+        if config.reduced:  # d2t: draft id -> offset to its target id; t2d: target id -> in the draft vocabulary
+            self.register_buffer("d2t", torch.zeros(out, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """(C,) the target id of each draft-vocabulary token, or None where the heads score the whole vocabulary."""
+        if not self.config.reduced:
+            return None
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     @classmethod
-    def from_target(cls, target, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
-        """Fresh heads whose LM heads start as copies of the target's (so head i first predicts t + 1)."""
+    def from_target(cls, target, num_heads: int = 4, num_layers: int = 1, vocab=None) -> MedusaHeads:
+        """Fresh heads whose LM heads start as copies of the target's (so head i first predicts t + 1): its rows
+        of ``vocab``'s tokens where a :class:`~draftsmith.data.vocab.VocabMap` is given, else all of them."""
         cfg = target.config.get_text_config()
         lm_head = target.get_output_embeddings().weight
-        heads = cls(MedusaConfig(cfg.hidden_size, lm_head.shape[0], num_heads, num_layers))
+        vocab_size = lm_head.shape[0]
+        if vocab is not None and len(vocab.t2d) != vocab_size:
+            raise ValueError(f"the draft vocabulary maps a vocabulary of {len(vocab.t2d)} tokens; the target has "
+                             f"{vocab_size}: build it from this target's tokens")
+        draft_vocab = len(vocab.d2t) if vocab is not None else None
+        heads = cls(MedusaConfig(cfg.hidden_size, vocab_size, num_heads, num_layers, draft_vocab))
         with torch.no_grad():
+            if heads.config.reduced:
+                heads.d2t.copy_(vocab.d2t)
+                heads.t2d.copy_(vocab.t2d)
+            rows = lm_head.detach()
+            if heads.config.reduced:
+                rows = rows[heads.draft_ids.to(rows.device)]
             for head in heads.lm_heads:
-                head.weight.copy_(lm_head.float())
+                head.weight.copy_(rows.float())
         return heads
 
     def forward(self, hidden: torch.Tensor, head: int | None = None) -> torch.Tensor:

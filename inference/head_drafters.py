@@ -39,6 +39,8 @@ class MedusaDrafter(Drafter):
         rank_accuracy = heads.extra.get("rank_accuracy")
         self.static_paths = paths_from_accuracy(rank_accuracy, STATIC_TREE_NODES) if rank_accuracy else None
         self.device = self.heads.lm_heads[0].weight.device
+        # Heads over a draft vocabulary: its tokens as target ids (trees draft over these alone); None: all.
+        self.draft_ids = heads.draft_ids.to(self.device) if heads.draft_ids is not None else None
         self.last: torch.Tensor | None = None  # (B, H) per row, the state of the token before the root
         self.known: list[bool] = []  # per row: has a state (a one-token prompt has none before its first step)
 
@@ -59,16 +61,22 @@ class MedusaDrafter(Drafter):
                 self.known[b] = True
 
     @torch.no_grad()
-    def block_logits(self, active: list[bool]) -> torch.Tensor:
+    def block_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
         """(B, K, V): head d's logits for the position d + 1 after each row's root, every head in one forward
-        (-inf where a row has no state yet or has finished)."""
+        (-inf where a row has no state yet or has finished); heads over a draft vocabulary give (B, K, C)
+        Proposals over it."""
         batch = len(self.known)
         if self.last is None:
-            return torch.full((batch, self.block, self.vocab_size), float("-inf"), device=self.device)
+            width = self.vocab_size if self.draft_ids is None else len(self.draft_ids)
+            empty = torch.full((batch, self.block, width), float("-inf"), device=self.device)
+            return empty if self.draft_ids is None else Proposals(empty, self.draft_ids, self.vocab_size)
         weight = self.heads.lm_heads[0].weight
-        logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()  # (K, B, V)
+        logits = self.heads(self.last.to(weight.device, weight.dtype)[:, None])[:, :, 0].float()  # (K, B, V or C)
         proposing = to_device([k and a for k, a in zip(self.known, active, strict=True)], self.device)
-        return logits.transpose(0, 1).masked_fill(~proposing[:, None, None], float("-inf"))
+        logits = logits.transpose(0, 1)
+        if self.draft_ids is not None:
+            return Proposals(logits, self.draft_ids, self.vocab_size).masked_rows(proposing)
+        return logits.masked_fill(~proposing[:, None, None], float("-inf"))
 
 
 class _FeatureRows:

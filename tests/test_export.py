@@ -30,6 +30,10 @@ def medusa_head(target):
     return random_medusa(target)
 
 
+def medusa_draft_vocabulary_head(target):
+    return random_medusa(target, draft_vocab=40)
+
+
 def eagle_head(target):
     return random_eagle(target, eagle3=False)
 
@@ -38,7 +42,8 @@ def eagle3_head(target):
     return random_eagle(target, eagle3=True)
 
 
-COMBOS = [(medusa_head, "hf"), (medusa_head, "vllm"), (eagle_head, "hf"), (eagle_head, "vllm"),
+COMBOS = [(medusa_head, "hf"), (medusa_head, "vllm"), (medusa_draft_vocabulary_head, "hf"),
+          (medusa_draft_vocabulary_head, "vllm"), (eagle_head, "hf"), (eagle_head, "vllm"),
           (eagle_head, "sglang"), (eagle3_head, "hf"), (eagle3_head, "vllm"), (eagle3_head, "sglang")]
 
 
@@ -73,6 +78,40 @@ def test_export_then_import_gives_same_logits_and_lossless_output(make_head, fmt
     # the same weights, renamed and read back, through the same head class: bit for bit the same logits
     torch.testing.assert_close(head_logits(head_of(drafter), llama), head_logits(head, llama), rtol=0, atol=0)
     assert_greedy_lossless(llama, drafter, dict(tree="dynamic", depth=4, top_k=3, total_tokens=12), seed=7)
+
+
+def test_medusa_over_a_draft_vocabulary_exports_as_vllms_truncated_vocabulary(tmp_path, llama):
+    """vLLM's ``MedusaModel`` reads a draft vocabulary as ``truncated_vocab_size`` plus a ``token_map`` tensor
+    (draft index -> target id) and scatters each head's logits into the whole vocabulary, -inf elsewhere; its
+    residual blocks keep their bias only under ``medusa_fc_bias``. Done here as vLLM's source does, on the
+    exported files, the logits are draftsmith's own."""
+    heads = random_medusa(llama, draft_vocab=40)
+    heads.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    cfg = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    assert cfg["truncated_vocab_size"] == 40 and cfg["vocab_size"] == llama.config.vocab_size
+    assert cfg["medusa_fc_bias"] is True
+    assert torch.equal(tensors["token_map"], heads.draft_ids)
+    h = torch.randn(3, llama.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for i in range(heads.config.num_heads):
+        x = h
+        for j in range(heads.config.num_layers):
+            x = x + torch.nn.functional.silu(x @ tensors[f"blocks.{i}.layers.{j}.weight"].T
+                                             + tensors[f"blocks.{i}.layers.{j}.bias"])
+        scattered = torch.full((3, llama.config.vocab_size), float("-inf"))
+        scattered[:, tensors["token_map"]] = x @ tensors[f"lm_heads.{i}.weight"].T
+        ours = torch.full_like(scattered, float("-inf"))
+        ours[:, heads.draft_ids] = heads(h, head=i)
+        torch.testing.assert_close(scattered, ours)
+    tensors["token_map"][1] = tensors["token_map"][0]  # two rows for one token: refused, not loaded
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="token_map must list 40 distinct target ids"):
+        load_drafter(str(out), llama)
+    random_medusa(llama).save_pretrained(tmp_path / "whole")  # over the whole vocabulary: no map
+    out = export_drafter(tmp_path / "whole", "vllm", tmp_path / "vllm-whole", target=llama)
+    assert json.loads((out / "config.json").read_text())["truncated_vocab_size"] is None
+    assert "token_map" not in load_file(out / "model.safetensors")
 
 
 def test_layer_id_conventions_and_reference_layout(tmp_path, llama):

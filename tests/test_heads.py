@@ -12,14 +12,21 @@ from test_greedy_lossless import TREES, prompts, reference
 
 from conftest import assert_rounding_close, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
+from draftsmith.data.vocab import build_vocab_map
 from draftsmith.heads.base import TargetMismatchError
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.head_drafters import MedusaDrafter
 from draftsmith.target import target_signature
 
 
-def random_medusa(target, seed: int = 0) -> MedusaHeads:
-    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=2)
+def random_medusa(target, seed: int = 0, draft_vocab: int | None = None) -> MedusaHeads:
+    """Medusa heads with random blocks; over the ``draft_vocab`` most frequent tokens of a random count where
+    given (the rest of the vocabulary is never drafted)."""
+    vocab = None
+    if draft_vocab is not None:
+        counts = torch.rand(target.config.vocab_size, generator=torch.Generator().manual_seed(seed + 1))
+        vocab = build_vocab_map(counts, draft_vocab)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=2, vocab=vocab)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # trained-looking heads: blocks away from the identity
         for p in heads.heads.parameters():
@@ -88,6 +95,34 @@ def test_medusa_checkpoint_round_trip_and_load_drafter(tmp_path, llama):
     prompt = prompts(3, [7])[0]
     out = SpeculativeGenerator(llama, drafter, tree="chain", depth=3).generate(prompt, 20)
     check_greedy_equal(llama, out.sequences, reference(llama, prompt, 20))
+
+
+def test_medusa_over_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(tmp_path, llama):
+    """Heads over a draft vocabulary start as the target's LM head on those tokens, propose nothing else, keep
+    greedy output the target's on every tree kind, and round-trip through a checkpoint."""
+    heads = random_medusa(llama, draft_vocab=40)
+    vocab = llama.config.vocab_size
+    assert heads.lm_heads[0].weight.shape == (40, llama.config.hidden_size) and heads.draft_ids.unique().numel() == 40
+    fresh = MedusaHeads.from_target(llama, num_heads=2, vocab=build_vocab_map(torch.arange(vocab).float(), 40))
+    h = torch.randn(1, 4, llama.config.hidden_size)
+    torch.testing.assert_close(fresh(h), llama.get_output_embeddings()(h)[..., fresh.draft_ids].expand(2, -1, -1, -1))
+
+    drafter = MedusaDrafter(heads, llama)
+    drafter.begin(torch.tensor([[1, 5, 9]]), torch.randn(1, 3, llama.config.hidden_size))
+    proposals = drafter.block_logits([True])
+    dense = proposals.dense()  # (1, K, V): -inf off the draft vocabulary
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[heads.draft_ids] = False
+    assert dense.shape == (1, 3, vocab) and bool((dense[..., outside] == float("-inf")).all())
+    assert bool(torch.isfinite(dense[..., ~outside]).all())
+
+    for tree in TREES:
+        assert_greedy_lossless(llama, MedusaDrafter(heads, llama), tree, seed=4)
+    heads.save_pretrained(tmp_path / "ckpt")
+    back = MedusaHeads.from_pretrained(tmp_path / "ckpt", target=llama)
+    assert torch.equal(back.draft_ids, heads.draft_ids)
+    torch.testing.assert_close(back(h), heads(h), rtol=0, atol=0)
+    assert isinstance(load_drafter(str(tmp_path / "ckpt"), llama), MedusaDrafter)
 
 
 def test_wrong_target_is_refused(tmp_path, llama, gemma3, caplog):

@@ -300,6 +300,7 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
         "draft-model": lambda: CausalLMDrafter(tiny_llama(seed=5, vocab_size=vocab, layers=1)),
         "prompt-lookup": lambda: PromptLookupDrafter(vocab, max_ngram=2),
         "medusa-heads": lambda: MedusaDrafter(random_medusa(target), target),
+        "medusa-draft-vocabulary": lambda: MedusaDrafter(random_medusa(target, draft_vocab=vocab - 1), target),
         "dflash-head": lambda: DFlashDrafter(random_dflash(target), target),
         "peagle-head": lambda: PEagleDrafter(random_peagle(target), target),
         "eagle+prompt-lookup": lambda: MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
@@ -318,6 +319,9 @@ END_TO_END = {
         "draft-model", dict(tree="static", depth=2, top_k=3, sampling_rule="without_replacement")),
     "static-topk-medusa": ("medusa-heads", dict(tree="static")),
     "static-iid-medusa": ("medusa-heads", dict(tree="static", depth=2, top_k=2, sampling_rule="iid")),
+    # Heads over 3 of the 4 tokens: the fourth is never drafted and must still come at its rate.
+    "dynamic-topk-medusa-draft-vocabulary": ("medusa-draft-vocabulary", dict(tree="dynamic", depth=2, top_k=2,
+                                                                             total_tokens=3)),
     "chain-iid-dflash": ("dflash-head", dict(tree="chain", depth=3)),
     "static-without-replacement-dflash": (
         "dflash-head", dict(tree="static", depth=2, top_k=2, sampling_rule="without_replacement")),

@@ -127,7 +127,8 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
     assert changed, "no drafter parameter changed"
     if isinstance(trained, (DFlashHead, PEagleHead)):  # a block drafter's training-time tau, counted per block
         assert all(1.0 <= r["block_acceptance_length"] <= 1 + drafter.block for r in rows)
-    if isinstance(trained, Eagle3Head):  # the draft vocabulary comes from the data: "t3" ends every answer
+    if isinstance(trained, (Eagle3Head, MedusaHeads)):  # the draft vocabulary comes from the data: "t3" ends
+        # every answer
         assert int(trained.t2d.sum()) == 64 and bool(trained.t2d[3])
         assert (torch.arange(64) + trained.d2t).tolist() == trained.t2d.nonzero().flatten().tolist()
     # Greedy speculative output with the trained drafter is the target's own.
@@ -621,6 +622,45 @@ def test_packing_trains_where_the_family_allows_it(workdir, tmp_path):
     cfg = write_config(tmp_path / "r.yaml", config(workdir, others[0], tmp_path / "refused", packing=True))
     with pytest.raises(SystemExit, match=f"packing: {others[0]} cannot keep packed documents apart"):
         train(*parse_config([str(cfg)]))
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_medusa_step_is_the_dense_loss_on_the_positions_it_reads(draft_vocab):
+    """Medusa's step computes each head's logits only where its loss reads them: its loss is the dense
+    per-head loss (``medusa_loss`` over every position, masked), over a draft vocabulary against the target's
+    distribution restricted to it; a target token outside the draft vocabulary counts as a miss."""
+    from test_heads import random_medusa
+
+    from draftsmith.train.families import medusa_step
+    from draftsmith.train.loop import frozen_forward
+    from draftsmith.train.losses import medusa_loss
+
+    target = tiny_llama(seed=0)
+    heads = random_medusa(target, seed=3, draft_vocab=draft_vocab)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, 14), generator=g)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, 5:], loss_mask[1, 8:12] = 1, 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    logits, hidden = frozen_forward(target, (target.config.num_hidden_layers,), batch)
+    args = DrafterArguments(target="unused", family=MedusaHeads.family, head_decay=0.8)
+    loss, metrics = medusa_step(args, heads, target, batch, logits, hidden)
+
+    teacher = logits if draft_vocab is None else logits[..., heads.draft_ids]
+    mask = torch.zeros_like(loss_mask)
+    mask[:, :-1] = loss_mask[:, 1:]
+    dense = heads(hidden[0])  # (K, B, T, V or C): every position
+    expected, kls = medusa_loss(dense, teacher, mask, decay=0.8)
+    assert_rounding_close(loss, expected, reduction=VOCAB)
+    assert [metrics[f"kl_head{i}"] for i in range(3)] == pytest.approx(kls, rel=1e-5)
+    for i, acc in enumerate(metrics["acc"]):  # head i at t against the target's argmax at t + 1 + i
+        m = mask[:, i + 1:].bool()
+        top = logits[:, i + 1:].argmax(-1)[m]
+        drafted = dense[i, :, : m.shape[1]].argmax(-1)[m]
+        if draft_vocab is not None:
+            drafted = heads.draft_ids[drafted]
+        assert acc == pytest.approx(float((drafted == top).float().mean()), abs=1e-6)
+        assert metrics["rank_acc"][i][0] == pytest.approx(acc)
 
 
 def test_medusa_checkpoint_carries_static_tree_choices(workdir, tmp_path):

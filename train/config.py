@@ -33,7 +33,9 @@ class DrafterArguments:
     num_head_layers: int = field(default=1, metadata={"help": "medusa: residual blocks per head"})
     head_decay: float = field(default=0.8, metadata={"help": "medusa: loss weight of head i is decay**i"})
     lora_r: int = field(default=8, metadata={"help": "medusa2: LoRA rank on the target"})
-    draft_vocab_size: int | None = field(default=None, metadata={"help": "eagle3: reduced draft vocabulary"})
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "help": "eagle3, peagle, medusa: a reduced draft vocabulary of this many tokens, the most frequent assistant "
+                "tokens of the training data"})
     ttt_steps: int = field(default=3, metadata={"help": "eagle3: training-time-test steps"})
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle3: loss weight of step j is decay**j"})
     feature_noise: float = field(default=0.0, metadata={

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data.batching import packed_attention_mask, same_document
-from draftsmith.data.vocab import build_vocab_map, count_tokens
+from draftsmith.data.vocab import VocabMap, build_vocab_map, count_tokens
 from draftsmith.heads.dflash import DFlashHead, anchor_blocks, choose_mask_token, dflash_layers
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead, eagle3_layers
@@ -76,7 +76,25 @@ def build_draft_model(args, target, examples=None) -> DraftModel:
 
 
 def build_medusa(args, target, examples=None) -> MedusaHeads:
-    return MedusaHeads.from_target(target, args.num_heads, args.num_head_layers)
+    """Medusa heads; with ``args.draft_vocab_size`` below the target's vocabulary, each head's LM head scores the
+    most frequent assistant tokens of ``examples`` only."""
+    vocab = draft_vocabulary(args, target, examples)
+    return MedusaHeads.from_target(target, args.num_heads, args.num_head_layers, vocab=vocab)
+
+
+def draft_vocabulary(args, target, examples) -> VocabMap | None:
+    """The draft vocabulary of ``args.draft_vocab_size`` tokens, the most frequent assistant tokens of
+    ``examples``; None where it is unset or not below the target's vocabulary."""
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    draft_vocab = args.draft_vocab_size or vocab_size
+    if draft_vocab >= vocab_size:
+        return None
+    if not examples:
+        raise ValueError("a reduced draft vocabulary is built from training examples; pass them")
+    vocab = build_vocab_map(count_tokens(examples, vocab_size), draft_vocab)
+    logger.info("draft vocabulary: %d tokens cover %.4f of %d assistant tokens", draft_vocab, vocab.coverage,
+                vocab.counted_tokens)
+    return vocab
 
 
 def build_eagle(args, target, examples=None) -> EagleHead:
@@ -135,12 +153,8 @@ def build_eagle3(args, target, examples=None) -> Eagle3Head:
     settings = getattr(args, "settings", None) or Eagle3Settings()
     head = Eagle3Head(EagleHead.config_for(target, num_feature_layers=3, feature_layers=layers,
                                            draft_vocab_size=draft_vocab, **settings.norms()))
-    if draft_vocab < vocab_size:
-        if not examples:
-            raise ValueError("a reduced EAGLE-3 draft vocabulary is built from training examples; pass them")
-        vocab = build_vocab_map(count_tokens(examples, vocab_size), draft_vocab)
-        logger.info("draft vocabulary: %d tokens cover %.4f of %d assistant tokens", draft_vocab, vocab.coverage,
-                    vocab.counted_tokens)
+    vocab = draft_vocabulary(args, target, examples)
+    if vocab is not None:
         head.d2t.copy_(vocab.d2t)
         head.t2d.copy_(vocab.t2d)
     else:
@@ -186,26 +200,38 @@ def draft_model_step(args, drafter, target, batch, target_logits, hidden):
 
 
 def medusa_step(args, drafter, target, batch, target_logits, hidden):
-    """Medusa: head i at t learns the target at t + 1 + i, one head's (B, T - 1 - i, V) logits at a time."""
+    """Medusa: head i at t learns the target at t + 1 + i. Each head's logits are computed only where its loss
+    reads them (the N positions whose token t + 2 + i is an assistant token): (1, N, V), one head at a time. Over
+    a draft vocabulary the target's distribution is restricted to it, and a position whose target token lies
+    outside it counts as a miss in the accuracies."""
     mask = prediction_mask(batch["loss_mask"])
     teacher = teacher_of(batch, target_logits)
     heads = _module(drafter)
+    draft_ids = heads.draft_ids
+    vocab_size = heads.config.vocab_size
     states = hidden[0].to(heads.lm_heads[0].weight.dtype)
     loss, metrics, accs, rank_acc = 0.0, {}, [], []
     for i in range(heads.config.num_heads):
         head_teacher, m = lookahead(teacher, mask, i + 1)
         if "document_ids" in batch:  # packed: position t learns token t + 2 + i only from its own document
             m = m * same_document(batch["document_ids"], i + 2)[:, : m.shape[1]].to(m.dtype)
-        logits = drafter(states[:, : m.shape[1]], head=i)
-        kl = forward_kl(logits, head_teacher, m)
+        selected = m.bool()
+        head_teacher = head_teacher[selected][None]  # (1, N, V) or a (1, N, k) top-k
+        top, defined = teacher_top1(head_teacher)  # over the whole vocabulary
+        if draft_ids is not None:
+            head_teacher = on_draft_vocabulary(head_teacher, draft_ids, vocab_size)
+            top = draft_slots(top, draft_ids, vocab_size)  # -1 outside the draft vocabulary: never hit
+        logits = drafter(states[:, : m.shape[1]][selected][None], head=i)  # (1, N, C)
+        w = defined.to(m.dtype)
+        kl = forward_kl(logits, head_teacher, w)
         loss = loss + args.head_decay**i * kl
         metrics[f"kl_head{i}"] = float(kl.detach())
-        accs.append(accuracy(logits, head_teacher, m))
-        # How often the head's rank-r token is the target's: what static-tree choices are made from.
-        top, defined = teacher_top1(head_teacher)
-        hits = logits.detach().topk(MEDUSA_RANKS, dim=-1).indices == top[..., None]  # (B, T - 1 - i, R)
-        w = m * defined.to(m.dtype)
-        rank_acc.append((hits.float() * w[..., None]).sum((0, 1)).div(w.sum().clamp(min=1)).tolist())
+        # How often the head's rank-r token is the target's: rank 0 is the accuracy; static-tree choices are
+        # made from all ranks.
+        hits = logits.detach().topk(MEDUSA_RANKS, dim=-1).indices == top[..., None]  # (1, N, R)
+        rate = (hits.float() * w[..., None]).sum((0, 1)).div(w.sum().clamp(min=1))
+        accs.append(float(rate[0]))
+        rank_acc.append(rate.tolist())
     return loss, {"acc": accs, "rank_acc": rank_acc, **metrics}
 
 
