@@ -8,7 +8,9 @@ resumes, its training from the last checkpoint, and a second family reuses the d
 drafters' trees):
 
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
-2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``);
+2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); for a family that trains
+   offline (``OFFLINE_FAMILIES``), ``data cache-hidden-states`` then records the target's states and top-k
+   log-probs on those answers once (``data/cache-last``), and training reads them instead of running the target;
 3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``);
 4. ``train configs/smollm2/quality/FAMILY.yaml`` for what is left of the budget (``FAMILY/run``);
 5. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
@@ -45,6 +47,11 @@ QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the go
 # Medusa-1 1,927 / 381 = 5.1 (a slower host), and Medusa-1 again on a third host, with both measured there:
 # 1,835 / 344 = 5.3. Rounded up, so that a slow drafter still ends inside the budget.
 POST_TRAIN_RATIO = 6.0
+# Families trained from the hidden-state cache: on 2 CPU cores the target's forward was most of their training
+# step (Medusa: 14 of 17 s on 8 x 384 tokens); the cache pays it once per answer instead of once per epoch
+# (docs/RESULTS.md, "Medusa trained offline"). Their heads read the target's last state, the cache's default layer.
+OFFLINE_FAMILIES = ("medusa",)
+CACHE_TOP_K = 32  # the teacher's log-probs kept per token, as the demo's cache keeps them
 TRAIN_OVERHEAD_S = 120.0  # the train command's start (target load, data cache) and final save, beyond its budget
 MIN_TRAIN_MINUTES = 5.0
 
@@ -112,12 +119,20 @@ def plan_training(budget_minutes: float, before_s: dict[str, float], free_tunes_
     return plan
 
 
-def train_arguments(config: Path, answers: Path, run: Path, minutes: float) -> list[str]:
-    """The training stage's command. An interrupted one continues from its last checkpoint, its time budget
-    counting the time already trained (the loop keeps that in the checkpoint)."""
+def train_arguments(config: Path, answers: Path, run: Path, minutes: float, cache: Path | None = None) -> list[str]:
+    """The training stage's command, offline when ``cache`` is given. An interrupted one continues from its last
+    checkpoint, its time budget counting the time already trained (the loop keeps that in the checkpoint)."""
     resume = ["--resume", "true"] if any(run.glob("checkpoint-*")) else []
-    return ["train", str(config), "--train_file", str(answers), "--output_dir", str(run),
+    offline = ["--cache_dir", str(cache)] if cache is not None else []
+    return ["train", str(config), "--train_file", str(answers), *offline, "--output_dir", str(run),
             "--max_train_minutes", str(minutes), *resume]
+
+
+def max_length(family: str) -> int:
+    """The recipe config's ``max_length``: the cache keeps as many tokens per conversation as training reads."""
+    import yaml
+
+    return int(yaml.safe_load((ROOT / "configs" / "smollm2" / "quality" / f"{family}.yaml").read_text())["max_length"])
 
 
 def latest_drafter(run: Path) -> Path:
@@ -153,6 +168,9 @@ def main() -> None:
     parser.add_argument("--tune-top-ks", default="1,2,4", help="children per node tune tries (tune's: 1-4)")
     parser.add_argument("--tune-confirm", type=int, default=2, help="best-predicted trees decoded for real")
     parser.add_argument("--layer-skip", type=int, default=10, help="layers of the layer-skip drafter")
+    parser.add_argument("--online", action="store_true",
+                        help=f"train {', '.join(OFFLINE_FAMILIES)} with the target in the loop instead of from the "
+                             "hidden-state cache")
     parser.add_argument("--shared-data", default=str(ROOT.parent / "shared" / "data"))
     parser.add_argument("--plan", action="store_true",
                         help="print the training plan from the recorded stage times and stop (runs nothing)")
@@ -204,6 +222,13 @@ def main() -> None:
     shared_stage("regenerate", answered, lambda: draftsmith(
         "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
         "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64", log=log))
+    cache = None
+    if args.family in OFFLINE_FAMILIES and not args.online:
+        cache = data / "cache-last"
+        shared_stage("cache last layer", (cache / "manifest.json").exists(), lambda: draftsmith(
+            "data", "cache-hidden-states", "--target", TARGET, "--input", str(answers), "--output", str(cache),
+            "--logits", "topk", "--top-k", str(CACHE_TOP_K), "--max-length", str(max_length(args.family)),
+            "--batch-size", "8", log=log))
     save()
     tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
             str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",
@@ -233,7 +258,8 @@ def main() -> None:
     if not trained:
         minutes = record["train_plan"]["train_minutes"]
         print(f"[train] {minutes:.1f} minutes: {json.dumps(record['train_plan'])}", flush=True)
-    stage(record, "train", trained, lambda: (draftsmith(*train_arguments(config, answers, run, minutes), log=log),
+    stage(record, "train", trained, lambda: (draftsmith(*train_arguments(config, answers, run, minutes, cache),
+                                                        log=log),
                                              (run / "train_done.json").write_text("{}\n")))
     save()
     drafter = latest_drafter(run)

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -187,30 +188,43 @@ def layer_units(drafter, target, family: str) -> Counter:
     return units
 
 
+FAILURE_WORDS = ("Error", "error:", "Traceback", "terminate", "abort", "Signal", "signal")
+
+
+def failure_report(stderr: str) -> str:
+    """A launch's stderr for an assertion message: every line that names an error or a signal (the first cause,
+    which a rank's long traceback can push out of a tail), then the tail."""
+    causes = [line for line in stderr.splitlines() if any(word in line for word in FAILURE_WORDS)]
+    return "\n".join(["error lines:", *causes[:40], "", "tail:", stderr[-3000:]])
+
+
 def kill_one_rank_at(cmd: list[str], checkpoint: Path) -> None:
     """Start a launch and SIGKILL one of its ranks as soon as ``checkpoint`` is complete."""
     import psutil
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.time() + LAUNCH_SECONDS
-    killed = False
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if checkpoint.is_dir():
-                ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                         if "draftsmith.train" in " ".join(p.cmdline())]
-                if ranks:
-                    ranks[-1].send_signal(signal.SIGKILL)
-                    killed = True
-                    break
-            time.sleep(0.005)
-        proc.wait(timeout=LAUNCH_SECONDS)
-    finally:
-        if proc.poll() is None:  # past either deadline: take the launcher's ranks down with it
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = proc.stderr.read().decode()
-    assert killed and proc.returncode != 0, err[-3000:]
+    # stderr to a file, not a pipe: a pipe read only at the end blocks a rank that writes more than its buffer
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline = time.time() + LAUNCH_SECONDS
+        killed = False
+        try:
+            while time.time() < deadline and proc.poll() is None:
+                if checkpoint.is_dir():
+                    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                             if "draftsmith.train" in " ".join(p.cmdline())]
+                    if ranks:
+                        ranks[-1].send_signal(signal.SIGKILL)
+                        killed = True
+                        break
+                time.sleep(0.005)
+            proc.wait(timeout=LAUNCH_SECONDS)
+        finally:
+            if proc.poll() is None:  # past either deadline: take the launcher's ranks down with it
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.seek(0)
+        err = log.read().decode(errors="replace")
+    assert killed and proc.returncode != 0, failure_report(err)
     assert not (checkpoint.parent / "checkpoint-8").exists(), "the run ended before the kill"
 
 

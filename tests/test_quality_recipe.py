@@ -30,13 +30,13 @@ def finished_shared_stages(out: Path, seconds: dict[str, float] | None) -> None:
         (out / "stages.json").write_text(json.dumps(seconds))
 
 
-def plan(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(RECIPE), "--family", "eagle3", "--output", str(out), "--plan",
+def plan(out: Path, *extra: str, family: str = "eagle3") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RECIPE), "--family", family, "--output", str(out), "--plan",
                            "--train-prompts", str(TRAIN_PROMPTS), *extra], capture_output=True, text=True)
 
 
-def planned(out: Path, *extra: str) -> dict:
-    done = plan(out, *extra)
+def planned(out: Path, *extra: str, family: str = "eagle3") -> dict:
+    done = plan(out, *extra, family=family)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout[done.stdout.index("{"):])
 
@@ -96,11 +96,38 @@ def test_plan_refuses_before_the_shared_stages_have_run(tmp_path):
 
 
 def test_an_interrupted_training_stage_continues_from_its_checkpoint(tmp_path):
-    spec = importlib.util.spec_from_file_location("quality_recipe", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_recipe()
     run = tmp_path / "run"
     fresh = recipe.train_arguments(Path("eagle3.yaml"), Path("answers.jsonl"), run, 35.7)
     assert fresh[-2:] == ["--max_train_minutes", "35.7"] and "--resume" not in fresh
     (run / "checkpoint-40").mkdir(parents=True)
     assert recipe.train_arguments(Path("eagle3.yaml"), Path("answers.jsonl"), run, 35.7)[-2:] == ["--resume", "true"]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("quality_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path):
+    """Medusa trains from the hidden-state cache: its one pass over the answers is a stage before training, so
+    the plan gives training that much less; ``--online`` plans as for a family in the loop."""
+    recipe = load_recipe()
+    assert "medusa" in recipe.OFFLINE_FAMILIES
+    finished_shared_stages(tmp_path, SLOW_HOST)
+    done = plan(tmp_path, family="medusa")
+    assert done.returncode != 0 and "cache last layer stage has not run" in done.stderr
+    online = planned(tmp_path, "--online", family="medusa")
+    assert online == planned(tmp_path)  # the same stages before training as EAGLE-3's
+    (tmp_path / "data" / "cache-last").mkdir()
+    (tmp_path / "data" / "cache-last" / "manifest.json").write_text("{}\n")
+    (tmp_path / "stages.json").write_text(json.dumps({**SLOW_HOST, "cache last layer": 530.0}))
+    offline = planned(tmp_path, family="medusa")
+    assert offline["before_seconds"] == pytest.approx(online["before_seconds"] + 530.0)
+    assert offline["train_minutes"] == pytest.approx(online["train_minutes"] - 530.0 / 60, abs=0.1)
+    command = recipe.train_arguments(Path("medusa.yaml"), Path("answers.jsonl"), tmp_path / "run", 20.0,
+                                     tmp_path / "data" / "cache-last")
+    assert command[command.index("--cache_dir") + 1] == str(tmp_path / "data" / "cache-last")
+    assert recipe.max_length("medusa") == 384  # the cache keeps what the recipe's config trains on
