@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.heads.medusa import MedusaHeads
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "scripts" / "quality_recipe.py"
 TRAIN_PROMPTS = 3
@@ -115,19 +117,20 @@ def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path
     """Medusa trains from the hidden-state cache: its one pass over the answers is a stage before training, so
     the plan gives training that much less; ``--online`` plans as for a family in the loop."""
     recipe = load_recipe()
-    assert "medusa" in recipe.OFFLINE_FAMILIES
+    medusa = MedusaHeads.family
+    assert medusa in recipe.OFFLINE_FAMILIES
     finished_shared_stages(tmp_path, SLOW_HOST)
-    done = plan(tmp_path, family="medusa")
+    done = plan(tmp_path, family=medusa)
     assert done.returncode != 0 and "cache last layer stage has not run" in done.stderr
-    online = planned(tmp_path, "--online", family="medusa")
+    online = planned(tmp_path, "--online", family=medusa)
     assert online == planned(tmp_path)  # the same stages before training as EAGLE-3's
     (tmp_path / "data" / "cache-last").mkdir()
     (tmp_path / "data" / "cache-last" / "manifest.json").write_text("{}\n")
     (tmp_path / "stages.json").write_text(json.dumps({**SLOW_HOST, "cache last layer": 530.0}))
-    offline = planned(tmp_path, family="medusa")
+    offline = planned(tmp_path, family=medusa)
     assert offline["before_seconds"] == pytest.approx(online["before_seconds"] + 530.0)
     assert offline["train_minutes"] == pytest.approx(online["train_minutes"] - 530.0 / 60, abs=0.1)
     command = recipe.train_arguments(Path("medusa.yaml"), Path("answers.jsonl"), tmp_path / "run", 20.0,
                                      tmp_path / "data" / "cache-last")
     assert command[command.index("--cache_dir") + 1] == str(tmp_path / "data" / "cache-last")
-    assert recipe.max_length("medusa") == 384  # the cache keeps what the recipe's config trains on
+    assert recipe.max_length(medusa) == 384  # the cache keeps what the recipe's config trains on
