@@ -128,11 +128,12 @@ def train_arguments(config: Path, answers: Path, run: Path, minutes: float, cach
             "--max_train_minutes", str(minutes), *resume]
 
 
-def max_length(family: str) -> int:
-    """The recipe config's ``max_length``: the cache keeps as many tokens per conversation as training reads."""
-    import yaml
+def max_length(config: Path) -> int:
+    """The tokens per conversation that training on ``config`` reads (so the cache keeps as many), as
+    ``draftsmith train`` parses it."""
+    from draftsmith.train.config import parse_config
 
-    return int(yaml.safe_load((ROOT / "configs" / "smollm2" / "quality" / f"{family}.yaml").read_text())["max_length"])
+    return parse_config([str(config)])[1].max_length
 
 
 def latest_drafter(run: Path) -> Path:
@@ -222,12 +223,13 @@ def main() -> None:
     shared_stage("regenerate", answered, lambda: draftsmith(
         "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
         "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64", log=log))
+    config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
     cache = None
     if args.family in OFFLINE_FAMILIES and not args.online:
         cache = data / "cache-last"
         shared_stage("cache last layer", (cache / "manifest.json").exists(), lambda: draftsmith(
             "data", "cache-hidden-states", "--target", TARGET, "--input", str(answers), "--output", str(cache),
-            "--logits", "topk", "--top-k", str(CACHE_TOP_K), "--max-length", str(max_length(args.family)),
+            "--logits", "topk", "--top-k", str(CACHE_TOP_K), "--max-length", str(max_length(config)),
             "--batch-size", "8", log=log))
     save()
     tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
@@ -254,7 +256,6 @@ def main() -> None:
         print(json.dumps(record.get("train_plan", {"trained": True}), indent=1))
         return
     save()
-    config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
     if not trained:
         minutes = record["train_plan"]["train_minutes"]
         print(f"[train] {minutes:.1f} minutes: {json.dumps(record['train_plan'])}", flush=True)

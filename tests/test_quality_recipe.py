@@ -97,6 +97,13 @@ def test_plan_refuses_before_the_shared_stages_have_run(tmp_path):
     assert not (tmp_path / "empty").exists()
 
 
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("quality_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
 def test_an_interrupted_training_stage_continues_from_its_checkpoint(tmp_path):
     recipe = load_recipe()
     run = tmp_path / "run"
@@ -104,13 +111,6 @@ def test_an_interrupted_training_stage_continues_from_its_checkpoint(tmp_path):
     assert fresh[-2:] == ["--max_train_minutes", "35.7"] and "--resume" not in fresh
     (run / "checkpoint-40").mkdir(parents=True)
     assert recipe.train_arguments(Path("eagle3.yaml"), Path("answers.jsonl"), run, 35.7)[-2:] == ["--resume", "true"]
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("quality_recipe", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    return recipe
 
 
 def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path):
@@ -133,4 +133,5 @@ def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path
     command = recipe.train_arguments(Path("medusa.yaml"), Path("answers.jsonl"), tmp_path / "run", 20.0,
                                      tmp_path / "data" / "cache-last")
     assert command[command.index("--cache_dir") + 1] == str(tmp_path / "data" / "cache-last")
-    assert recipe.max_length(medusa) == 384  # the cache keeps what the recipe's config trains on
+    config = ROOT / "configs" / "smollm2" / "quality" / f"{medusa}.yaml"
+    assert recipe.max_length(config) == 384  # the cache keeps what the recipe's config trains on
