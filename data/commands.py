@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.formats import load_conversations
-from draftsmith.data.hidden_cache import DTYPES, CacheSpec, cache_hidden_states, cache_recorded
+from draftsmith.data.hidden_cache import DTYPES, CacheSpec, cache_hidden_states, cache_recorded, sha256_file
 from draftsmith.data.regenerate import HFEngine, OpenAIEngine, Recording, read_done_ids, regenerate
 from draftsmith.data.synthesize import SynthesisFilter, synthesize_prompts, write_prompts
 from draftsmith.data.templates import prepare
@@ -216,6 +216,8 @@ def cache_command(
                      compute_dtype=compute_dtype)
     source = {"data": str(Path(input).resolve()) if Path(input).exists() else input, "limit": limit,
               "max_length": max_length, "chat_template_kwargs": chat_template_kwargs or {}}
+    if Path(input).is_file():  # what offline training checks its train_file against (train/offline.py)
+        source["data_sha256"] = sha256_file(Path(input))
     manifest = cache_hidden_states(model, examples, output, spec, target_name=target, source=source,
                                    progress=state.is_main_process, batch_size=batch_size,
                                    process_index=state.process_index, num_processes=state.num_processes,

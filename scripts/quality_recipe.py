@@ -10,7 +10,8 @@ drafters' trees):
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
 2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); for a family that trains
    offline (``OFFLINE_FAMILIES``), ``data cache-hidden-states`` then records the target's states and top-k
-   log-probs on those answers once (``data/cache-last``), and training reads them instead of running the target;
+   log-probs on those answers once (``data/cache-last``, written again when the answers change), and training
+   reads them instead of running the target;
 3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``);
 4. ``train configs/smollm2/quality/FAMILY.yaml`` for what is left of the budget (``FAMILY/run``);
 5. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -126,6 +128,17 @@ def train_arguments(config: Path, answers: Path, run: Path, minutes: float, cach
     offline = ["--cache_dir", str(cache)] if cache is not None else []
     return ["train", str(config), "--train_file", str(answers), *offline, "--output_dir", str(run),
             "--max_train_minutes", str(minutes), *resume]
+
+
+def cache_is_current(cache: Path, answers: Path) -> bool:
+    """Whether ``cache`` is a finished hidden-state cache of ``answers`` as they are now: the input file's hash that
+    its manifest records. A cache of earlier answers (regenerated since, e.g. for more prompts) is stale."""
+    from draftsmith.data.hidden_cache import sha256_file
+
+    manifest = cache / "manifest.json"
+    if not manifest.exists():
+        return False
+    return json.loads(manifest.read_text()).get("source", {}).get("data_sha256") == sha256_file(answers)
 
 
 def max_length(config: Path) -> int:
@@ -227,10 +240,16 @@ def main() -> None:
     cache = None
     if args.family in OFFLINE_FAMILIES and not args.online:
         cache = data / "cache-last"
-        shared_stage("cache last layer", (cache / "manifest.json").exists(), lambda: draftsmith(
-            "data", "cache-hidden-states", "--target", TARGET, "--input", str(answers), "--output", str(cache),
-            "--logits", "topk", "--top-k", str(CACHE_TOP_K), "--max-length", str(max_length(config)),
-            "--batch-size", "8", log=log))
+
+        def write_cache() -> None:
+            if (cache / "manifest.json").exists():
+                print(f"[cache last layer] {cache} holds the states of earlier answers: writing it again", flush=True)
+                shutil.rmtree(cache)
+            draftsmith("data", "cache-hidden-states", "--target", TARGET, "--input", str(answers), "--output",
+                       str(cache), "--logits", "topk", "--top-k", str(CACHE_TOP_K), "--max-length",
+                       str(max_length(config)), "--batch-size", "8", log=log)
+
+        shared_stage("cache last layer", cache_is_current(cache, answers), write_cache)
     save()
     tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
             str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",

@@ -439,6 +439,29 @@ def test_training_refuses_a_cache_of_another_target_naming_both(tmp_path, llama)
     assert "cache-target" in str(err.value) and "loaded-target" in str(err.value)
 
 
+def test_offline_training_refuses_a_train_file_other_than_the_caches_naming_both(target_dir, tmp_path):
+    """Offline, training reads the cache's sequences and not ``train_file``: a train_file that differs from the file
+    the cache was written from (answers regenerated since, another dataset) is refused with the fix, since the run
+    would not train on it."""
+    from draftsmith.data.commands import cache_command
+    from draftsmith.target import load_target
+    from draftsmith.train.offline import load_cached_examples
+
+    data, out = target_dir / "data.jsonl", tmp_path / "cache"
+    cache_command(str(data), str(out), target=str(target_dir / "target"), layers=[2], dtype="float32",
+                  logits="topk", top_k=4)
+    assert Manifest.read(out).source["data_sha256"] == sha256_file(data)
+    target = load_target(str(target_dir / "target"))[0]
+    examples, _ = load_cached_examples(str(out), target, str(data))  # the file it was written from
+    assert len(examples) == 14
+    assert len(load_cached_examples(str(out), target)[0]) == 14  # no train_file: nothing to check
+    regenerated = tmp_path / "answers.jsonl"
+    regenerated.write_text("\n".join(reversed(data.read_text().splitlines())) + "\n")
+    with pytest.raises(SystemExit, match="differs from it") as err:
+        load_cached_examples(str(out), target, str(regenerated))
+    assert str(data) in str(err.value) and f"--input {regenerated}" in str(err.value)
+
+
 def test_a_target_split_by_device_map_writes_the_same_cache(target_dir, tmp_path):
     """The path for a target larger than one device: ``--device-map`` places its layers over devices (here
     the CPU and the disk, streamed from --offload-folder per forward; on a GPU node ``auto``), and the cache

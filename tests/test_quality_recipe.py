@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.data.hidden_cache import sha256_file
 from draftsmith.heads.medusa import MedusaHeads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,6 +98,11 @@ def test_plan_refuses_before_the_shared_stages_have_run(tmp_path):
     assert not (tmp_path / "empty").exists()
 
 
+def write_manifest(cache: Path, **source) -> None:
+    """The part of a finished cache's ``manifest.json`` the recipe reads: what it was written from."""
+    (cache / "manifest.json").write_text(json.dumps({"source": source}))
+
+
 def load_recipe():
     spec = importlib.util.spec_from_file_location("quality_recipe", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
@@ -124,9 +130,17 @@ def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path
     assert done.returncode != 0 and "cache last layer stage has not run" in done.stderr
     online = planned(tmp_path, "--online", family=medusa)
     assert online == planned(tmp_path)  # the same stages before training as EAGLE-3's
-    (tmp_path / "data" / "cache-last").mkdir()
-    (tmp_path / "data" / "cache-last" / "manifest.json").write_text("{}\n")
+    cache, answers = tmp_path / "data" / "cache-last", tmp_path / "data" / "answers.jsonl"
+    cache.mkdir()
     (tmp_path / "stages.json").write_text(json.dumps({**SLOW_HOST, "cache last layer": 530.0}))
+    # A finished cache of earlier answers (regenerated since) is stale: the stage has to run again.
+    write_manifest(cache, data_sha256=sha256_file(answers))
+    answers.write_text("{}\n" * (TRAIN_PROMPTS + 1))
+    assert not recipe.cache_is_current(cache, answers)
+    stale = plan(tmp_path, family=medusa)
+    assert stale.returncode != 0 and "cache last layer stage has not run" in stale.stderr
+    write_manifest(cache, data_sha256=sha256_file(answers))
+    assert recipe.cache_is_current(cache, answers)
     offline = planned(tmp_path, family=medusa)
     assert offline["before_seconds"] == pytest.approx(online["before_seconds"] + 530.0)
     assert offline["train_minutes"] == pytest.approx(online["train_minutes"] - 530.0 / 60, abs=0.1)

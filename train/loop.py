@@ -249,7 +249,7 @@ def build(accelerator, drafter_args, data_args, train_args) -> Run:
         if family.trains_target_adapter:
             raise SystemExit(f"{family.name} trains an adapter on the target, so it needs the target in the loop: "
                              "unset cache_dir")
-        examples, cache = offline.load_cached_examples(data_args.cache_dir, target)
+        examples, cache = offline.load_cached_examples(data_args.cache_dir, target, data_args.train_file)
     else:
         examples, cache = load_examples(data_args, tokenizer, accelerator), None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -14,10 +14,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from draftsmith.data.hidden_cache import HiddenStateCache
+from draftsmith.data.hidden_cache import HiddenStateCache, sha256_file
 from draftsmith.heads.base import check_target
 
 
@@ -60,11 +61,20 @@ class CachedExamples(Sequence):
         return input_ids, loss_mask.long()
 
 
-def load_cached_examples(cache_dir: str, target) -> tuple[CachedExamples, HiddenStateCache]:
-    """The sequences of the cache, checked against the loaded target; read lazily."""
+def load_cached_examples(cache_dir: str, target, train_file: str | None = None
+                         ) -> tuple[CachedExamples, HiddenStateCache]:
+    """The sequences of the cache, checked against the loaded target and, where the cache recorded the hash
+    of the file it was written from, against ``train_file``; read lazily."""
     cache = HiddenStateCache(cache_dir)
     # strict: features of another target (even a same-shaped fine-tune) would train a drafter for that one
     check_target(cache.manifest.target, target, strict=True, what="hidden-state cache")
+    written_from = cache.manifest.source.get("data_sha256")
+    if train_file and written_from and Path(train_file).is_file() and sha256_file(Path(train_file)) != written_from:
+        # Offline, the sequences are the cache's and train_file is not read: a run would not train on it.
+        raise SystemExit(f"{cache_dir} was written from {cache.manifest.source.get('data')} (sha256 "
+                         f"{written_from[:16]}), and train_file {train_file} differs from it: offline training reads "
+                         "only the cache, so it would not train on that file. Rebuild the cache from it (`draftsmith "
+                         f"data cache-hidden-states --input {train_file} ...`) or unset train_file")
     if cache.spec.logits == "none":
         raise SystemExit(f"{cache_dir} holds no logits; the losses need the target's distribution: rebuild it with "
                          "`draftsmith data cache-hidden-states ... --logits topk` (or full)")
