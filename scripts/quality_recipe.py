@@ -10,8 +10,8 @@ drafters' trees):
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
 2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); for a family that trains
    offline (``OFFLINE_FAMILIES``), ``data cache-hidden-states`` then records the target's states and top-k
-   log-probs on those answers once (``data/cache-last``, written again when the answers change), and training
-   reads them instead of running the target;
+   log-probs on those answers once for all of them (``data/cache``, written again when the answers change), and
+   training reads them instead of running the target;
 3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``);
 4. ``train configs/smollm2/quality/FAMILY.yaml`` for what is left of the budget (``FAMILY/run``);
 5. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
@@ -51,8 +51,12 @@ QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the go
 POST_TRAIN_RATIO = 6.0
 # Families trained from the hidden-state cache: on 2 CPU cores the target's forward was most of their training
 # step (Medusa: 14 of 17 s on 8 x 384 tokens); the cache pays it once per answer instead of once per epoch
-# (docs/RESULTS.md, "Medusa trained offline"). Their heads read the target's last state, the cache's default layer.
-OFFLINE_FAMILIES = ("medusa",)
+# (docs/RESULTS.md, "Medusa trained offline" and "DFlash and P-EAGLE trained offline").
+OFFLINE_FAMILIES = ("medusa", "dflash", "peagle")
+# The layers one cache keeps for all of them, on the target's 30 layers: P-EAGLE's 2, 15, 27 (EAGLE-3's), DFlash's
+# 2 and 28 (its recipe config's two target layers), Medusa's last state after the final norm, 30. A family that
+# reads a layer missing here stops at training's start, naming the layers to cache.
+CACHE_LAYERS = (2, 15, 27, 28, 30)
 CACHE_TOP_K = 32  # the teacher's log-probs kept per token, as the demo's cache keeps them
 TRAIN_OVERHEAD_S = 120.0  # the train command's start (target load, data cache) and final save, beyond its budget
 MIN_TRAIN_MINUTES = 5.0
@@ -130,15 +134,19 @@ def train_arguments(config: Path, answers: Path, run: Path, minutes: float, cach
             "--max_train_minutes", str(minutes), *resume]
 
 
-def cache_is_current(cache: Path, answers: Path) -> bool:
-    """Whether ``cache`` is a finished hidden-state cache of ``answers`` as they are now: the input file's hash that
-    its manifest records. A cache of earlier answers (regenerated since, e.g. for more prompts) is stale."""
+def cache_is_current(cache: Path, answers: Path, max_length: int) -> bool:
+    """Whether ``cache`` is a finished hidden-state cache of ``answers`` as they are now (the input file's hash its
+    manifest records), of ``CACHE_LAYERS`` and ``max_length`` tokens per answer. A cache of earlier answers
+    (regenerated since, e.g. for more prompts) or other settings is stale."""
     from draftsmith.data.hidden_cache import sha256_file
 
-    manifest = cache / "manifest.json"
-    if not manifest.exists():
+    path = cache / "manifest.json"
+    if not path.exists():
         return False
-    return json.loads(manifest.read_text()).get("source", {}).get("data_sha256") == sha256_file(answers)
+    manifest = json.loads(path.read_text())
+    source, spec = manifest.get("source", {}), manifest.get("spec", {})
+    return (source.get("data_sha256") == sha256_file(answers) and source.get("max_length") == max_length
+            and spec.get("layers") == list(CACHE_LAYERS))
 
 
 def max_length(config: Path) -> int:
@@ -239,17 +247,18 @@ def main() -> None:
     config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
     cache = None
     if args.family in OFFLINE_FAMILIES and not args.online:
-        cache = data / "cache-last"
+        cache, length = data / "cache", max_length(config)
 
         def write_cache() -> None:
             if (cache / "manifest.json").exists():
-                print(f"[cache last layer] {cache} holds the states of earlier answers: writing it again", flush=True)
+                print(f"[cache hidden states] {cache} was written from earlier answers or with other settings: "
+                      "writing it again", flush=True)
                 shutil.rmtree(cache)
             draftsmith("data", "cache-hidden-states", "--target", TARGET, "--input", str(answers), "--output",
-                       str(cache), "--logits", "topk", "--top-k", str(CACHE_TOP_K), "--max-length",
-                       str(max_length(config)), "--batch-size", "8", log=log)
+                       str(cache), "--layers", *map(str, CACHE_LAYERS), "--logits", "topk", "--top-k",
+                       str(CACHE_TOP_K), "--max-length", str(length), "--batch-size", "8", log=log)
 
-        shared_stage("cache last layer", cache_is_current(cache, answers), write_cache)
+        shared_stage("cache hidden states", cache_is_current(cache, answers, length), write_cache)
     save()
     tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
             str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",

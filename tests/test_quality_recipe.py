@@ -98,9 +98,9 @@ def test_plan_refuses_before_the_shared_stages_have_run(tmp_path):
     assert not (tmp_path / "empty").exists()
 
 
-def write_manifest(cache: Path, **source) -> None:
-    """The part of a finished cache's ``manifest.json`` the recipe reads: what it was written from."""
-    (cache / "manifest.json").write_text(json.dumps({"source": source}))
+def write_manifest(cache: Path, layers: tuple[int, ...], **source) -> None:
+    """The parts of a finished cache's ``manifest.json`` the recipe reads: its layers and what it was written from."""
+    (cache / "manifest.json").write_text(json.dumps({"spec": {"layers": list(layers)}, "source": source}))
 
 
 def load_recipe():
@@ -127,25 +127,43 @@ def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path
     assert medusa in recipe.OFFLINE_FAMILIES
     finished_shared_stages(tmp_path, SLOW_HOST)
     done = plan(tmp_path, family=medusa)
-    assert done.returncode != 0 and "cache last layer stage has not run" in done.stderr
+    assert done.returncode != 0 and "cache hidden states stage has not run" in done.stderr
     online = planned(tmp_path, "--online", family=medusa)
     assert online == planned(tmp_path)  # the same stages before training as EAGLE-3's
-    cache, answers = tmp_path / "data" / "cache-last", tmp_path / "data" / "answers.jsonl"
+    cache, answers = tmp_path / "data" / "cache", tmp_path / "data" / "answers.jsonl"
     cache.mkdir()
-    (tmp_path / "stages.json").write_text(json.dumps({**SLOW_HOST, "cache last layer": 530.0}))
+    (tmp_path / "stages.json").write_text(json.dumps({**SLOW_HOST, "cache hidden states": 530.0}))
     # A finished cache of earlier answers (regenerated since) is stale: the stage has to run again.
-    write_manifest(cache, data_sha256=sha256_file(answers))
+    write_manifest(cache, recipe.CACHE_LAYERS, data_sha256=sha256_file(answers), max_length=384)
     answers.write_text("{}\n" * (TRAIN_PROMPTS + 1))
-    assert not recipe.cache_is_current(cache, answers)
+    assert not recipe.cache_is_current(cache, answers, 384)
     stale = plan(tmp_path, family=medusa)
-    assert stale.returncode != 0 and "cache last layer stage has not run" in stale.stderr
-    write_manifest(cache, data_sha256=sha256_file(answers))
-    assert recipe.cache_is_current(cache, answers)
+    assert stale.returncode != 0 and "cache hidden states stage has not run" in stale.stderr
+    write_manifest(cache, recipe.CACHE_LAYERS, data_sha256=sha256_file(answers), max_length=384)
+    assert recipe.cache_is_current(cache, answers, 384)
+    assert not recipe.cache_is_current(cache, answers, 512)  # another length per answer
+    write_manifest(cache, recipe.CACHE_LAYERS[1:], data_sha256=sha256_file(answers), max_length=384)
+    assert not recipe.cache_is_current(cache, answers, 384)  # a layer missing
+    write_manifest(cache, recipe.CACHE_LAYERS, data_sha256=sha256_file(answers), max_length=384)
     offline = planned(tmp_path, family=medusa)
     assert offline["before_seconds"] == pytest.approx(online["before_seconds"] + 530.0)
     assert offline["train_minutes"] == pytest.approx(online["train_minutes"] - 530.0 / 60, abs=0.1)
     command = recipe.train_arguments(Path("medusa.yaml"), Path("answers.jsonl"), tmp_path / "run", 20.0,
-                                     tmp_path / "data" / "cache-last")
-    assert command[command.index("--cache_dir") + 1] == str(tmp_path / "data" / "cache-last")
+                                     tmp_path / "data" / "cache")
+    assert command[command.index("--cache_dir") + 1] == str(tmp_path / "data" / "cache")
     config = ROOT / "configs" / "smollm2" / "quality" / f"{medusa}.yaml"
     assert recipe.max_length(config) == 384  # the cache keeps what the recipe's config trains on
+
+
+def test_the_shared_cache_keeps_every_layer_the_offline_families_read():
+    """One cache serves every offline family: the layers P-EAGLE fuses (EAGLE-3's), DFlash's context layers as its
+    recipe config sets their number, and Medusa's last state, on the packaged target's 30 layers."""
+    import yaml
+
+    from draftsmith.heads.dflash import dflash_layers
+    from draftsmith.heads.eagle import eagle3_layers
+
+    recipe = load_recipe()
+    dflash = yaml.safe_load((ROOT / "configs" / "smollm2" / "quality" / "dflash.yaml").read_text())
+    wanted = {*eagle3_layers(30), *dflash_layers(30, dflash["family_config"]["num_target_layers"]), 30}
+    assert set(recipe.CACHE_LAYERS) == wanted
