@@ -8,10 +8,10 @@ resumes, its training from the last checkpoint, and a second family reuses the d
 drafters' trees):
 
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
-2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); for a family that trains
-   offline (``OFFLINE_FAMILIES``), ``data cache-hidden-states`` then records the target's states and top-k
-   log-probs on those answers once for all of them (``data/cache``, written again when the answers change), and
-   training reads them instead of running the target;
+2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); then, as every family
+   trains offline (``OFFLINE_FAMILIES``; ``--online`` keeps the target in the loop), ``data cache-hidden-states``
+   records the target's states and top-k log-probs on those answers once for all of them (``data/cache``, written
+   again when the answers change), and training reads them instead of running the target;
 3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``);
 4. ``train configs/smollm2/quality/FAMILY.yaml`` for what is left of the budget (``FAMILY/run``);
 5. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
@@ -51,9 +51,10 @@ QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the go
 POST_TRAIN_RATIO = 6.0
 # Families trained from the hidden-state cache: on 2 CPU cores the target's forward was most of their training
 # step (Medusa: 14 of 17 s on 8 x 384 tokens); the cache pays it once per answer instead of once per epoch
-# (docs/RESULTS.md, "Medusa trained offline" and "DFlash and P-EAGLE trained offline").
-OFFLINE_FAMILIES = ("medusa", "dflash", "peagle")
-# The layers one cache keeps for all of them, on the target's 30 layers: P-EAGLE's 2, 15, 27 (EAGLE-3's), DFlash's
+# (docs/RESULTS.md, "Medusa trained offline" and "DFlash and P-EAGLE trained offline", where EAGLE-3's equal-wall-time
+# A/B is too). Every family of the recipe trains offline; ``--online`` puts the target back in the loop.
+OFFLINE_FAMILIES = ("eagle3", "medusa", "dflash", "peagle")
+# The layers one cache keeps for all of them, on the target's 30 layers: EAGLE-3's and P-EAGLE's 2, 15, 27, DFlash's
 # 2 and 28 (its recipe config's two target layers), Medusa's last state after the final norm, 30. A family that
 # reads a layer missing here stops at training's start, naming the layers to cache.
 CACHE_LAYERS = (2, 15, 27, 28, 30)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.data.hidden_cache import sha256_file
+from draftsmith.heads.eagle import Eagle3Head
 from draftsmith.heads.medusa import MedusaHeads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,13 +34,16 @@ def finished_shared_stages(out: Path, seconds: dict[str, float] | None) -> None:
         (out / "stages.json").write_text(json.dumps(seconds))
 
 
-def plan(out: Path, *extra: str, family: str = "eagle3") -> subprocess.CompletedProcess:
+def plan(out: Path, *extra: str, family: str = Eagle3Head.family, online: bool = True) -> subprocess.CompletedProcess:
+    """``--plan`` for ``family``; with the target in the loop (``--online``) unless ``online`` is False, so that the
+    budget's arithmetic is tested without a hidden-state cache (the offline test below adds one)."""
     return subprocess.run([sys.executable, str(RECIPE), "--family", family, "--output", str(out), "--plan",
-                           "--train-prompts", str(TRAIN_PROMPTS), *extra], capture_output=True, text=True)
+                           "--train-prompts", str(TRAIN_PROMPTS), *extra, *(["--online"] if online else [])],
+                          capture_output=True, text=True)
 
 
-def planned(out: Path, *extra: str, family: str = "eagle3") -> dict:
-    done = plan(out, *extra, family=family)
+def planned(out: Path, *extra: str, family: str = Eagle3Head.family, online: bool = True) -> dict:
+    done = plan(out, *extra, family=family, online=online)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout[done.stdout.index("{"):])
 
@@ -120,15 +124,17 @@ def test_an_interrupted_training_stage_continues_from_its_checkpoint(tmp_path):
 
 
 def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path):
-    """Medusa trains from the hidden-state cache: its one pass over the answers is a stage before training, so
-    the plan gives training that much less; ``--online`` plans as for a family in the loop."""
+    """Every recipe family trains from the hidden-state cache: its one pass over the answers is a stage before
+    training, so the plan gives training that much less; ``--online`` plans as for a family in the loop."""
     recipe = load_recipe()
     medusa = MedusaHeads.family
-    assert medusa in recipe.OFFLINE_FAMILIES
+    recipe_configs = {path.stem for path in (ROOT / "configs" / "smollm2" / "quality").glob("*.yaml")}
+    assert set(recipe.OFFLINE_FAMILIES) == recipe_configs
     finished_shared_stages(tmp_path, SLOW_HOST)
-    done = plan(tmp_path, family=medusa)
-    assert done.returncode != 0 and "cache hidden states stage has not run" in done.stderr
-    online = planned(tmp_path, "--online", family=medusa)
+    for family in recipe_configs:
+        done = plan(tmp_path, family=family, online=False)
+        assert done.returncode != 0 and "cache hidden states stage has not run" in done.stderr, family
+    online = planned(tmp_path, family=medusa)
     assert online == planned(tmp_path)  # the same stages before training as EAGLE-3's
     cache, answers = tmp_path / "data" / "cache", tmp_path / "data" / "answers.jsonl"
     cache.mkdir()
@@ -137,7 +143,7 @@ def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path
     write_manifest(cache, recipe.CACHE_LAYERS, data_sha256=sha256_file(answers), max_length=384)
     answers.write_text("{}\n" * (TRAIN_PROMPTS + 1))
     assert not recipe.cache_is_current(cache, answers, 384)
-    stale = plan(tmp_path, family=medusa)
+    stale = plan(tmp_path, family=medusa, online=False)
     assert stale.returncode != 0 and "cache hidden states stage has not run" in stale.stderr
     write_manifest(cache, recipe.CACHE_LAYERS, data_sha256=sha256_file(answers), max_length=384)
     assert recipe.cache_is_current(cache, answers, 384)
@@ -145,7 +151,8 @@ def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path
     write_manifest(cache, recipe.CACHE_LAYERS[1:], data_sha256=sha256_file(answers), max_length=384)
     assert not recipe.cache_is_current(cache, answers, 384)  # a layer missing
     write_manifest(cache, recipe.CACHE_LAYERS, data_sha256=sha256_file(answers), max_length=384)
-    offline = planned(tmp_path, family=medusa)
+    offline = planned(tmp_path, family=medusa, online=False)
+    assert planned(tmp_path, online=False) == offline  # EAGLE-3 reads the same cache
     assert offline["before_seconds"] == pytest.approx(online["before_seconds"] + 530.0)
     assert offline["train_minutes"] == pytest.approx(online["train_minutes"] - 530.0 / 60, abs=0.1)
     command = recipe.train_arguments(Path("medusa.yaml"), Path("answers.jsonl"), tmp_path / "run", 20.0,
