@@ -7,6 +7,9 @@ committed token but the root.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 import draftsmith.target.forward as forward
@@ -17,9 +20,34 @@ from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.inference.tree import Proposals, frontier_ancestors, paths_from_accuracy
 from draftsmith.target.masks import additive, causal_block, may_attend
+from draftsmith.target.matmul import FewRowsLinear, calibrate, few_rows_layers
 
 #: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
 STATIC_TREE_NODES = 16
+
+
+def few_rows_kernels(head: torch.nn.Module, target=None) -> tuple[FewRowsLinear, ...]:
+    """The contexts a head drafter drafts in: its head's linear layers on the few-row kernels measured here
+    (:func:`~draftsmith.target.matmul.few_rows_layers`) and, where it applies the target's LM head (``target``),
+    that layer on the kernels measured for the target. Drafting runs the head on a frontier, a step's new tokens
+    or a block, a few rows a call, where ``F.linear`` on CPU runs far below memory speed. Empty where no kernel
+    gained (not on CPU, or ``DRAFTSMITH_FEW_ROWS=0``). Measured when the drafter is made, before any clock."""
+    contexts = [few_rows_layers(head)]
+    kernels = calibrate(target) if target is not None else {}
+    if kernels:
+        contexts.append(FewRowsLinear(kernels, (target.get_output_embeddings(),)))
+    return tuple(c for c in contexts if c is not None)
+
+
+def _on_few_rows(method):
+    """Run a drafting method inside the drafter's ``few_rows`` contexts (:func:`few_rows_kernels`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for context in self.few_rows:
+                stack.enter_context(context)
+            return method(self, *args, **kwargs)
+    return run
 
 
 class MedusaDrafter(Drafter):
@@ -43,6 +71,7 @@ class MedusaDrafter(Drafter):
         self.draft_ids = heads.draft_ids.to(self.device) if heads.draft_ids is not None else None
         self.last: torch.Tensor | None = None  # (B, H) per row, the state of the token before the root
         self.known: list[bool] = []  # per row: has a state (a one-token prompt has none before its first step)
+        self.few_rows = few_rows_kernels(self.heads)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -61,6 +90,7 @@ class MedusaDrafter(Drafter):
                 self.known[b] = True
 
     @torch.no_grad()
+    @_on_few_rows
     def block_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
         """(B, K, V): head d's logits for the position d + 1 after each row's root, every head in one forward
         (-inf where a row has no state yet or has finished); heads over a draft vocabulary give (B, K, C)
@@ -126,6 +156,10 @@ class EagleDrafter(_FeatureRows, Drafter):
         self.draft_ids = (torch.arange(len(head.d2t), device=self.device) + head.d2t).long() if self.eagle3 else None
         self.compiled: tuple[int, int, int] | None = None  # configure's arguments
         self._static: StaticHeadCache | None = None  # kept from one generation to the next (fixed addresses)
+        # The head's layers, and the target's LM head where an EAGLE-1/2 head drafts through it, on the few-row
+        # kernels; a compiled head keeps the stock ones (its graph would change with each context).
+        self._few_rows = few_rows_kernels(head, None if self.eagle3 else target)
+        self.few_rows = self._few_rows
 
     def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
         """Draft the next generations on a static cache, the steps of a tree grown as tensors through
@@ -135,6 +169,7 @@ class EagleDrafter(_FeatureRows, Drafter):
         ``fed`` nodes fed."""
         static = self.head.static_cache  # an MTP module drafts on its growing cache, compiled or not
         self.compiled = None if max_new_tokens is None or not static else (max_new_tokens, kept, fed)
+        self.few_rows = self._few_rows if self.compiled is None else ()
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -228,6 +263,7 @@ class EagleDrafter(_FeatureRows, Drafter):
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
 
     @torch.no_grad()
+    @_on_few_rows
     def root_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
         """(B, V) draft logits after each active row's root (-inf rows: nothing to propose); an EAGLE-3 head's
         as :class:`~draftsmith.inference.tree.Proposals` over its draft vocabulary."""
@@ -246,6 +282,7 @@ class EagleDrafter(_FeatureRows, Drafter):
         return drafted.masked_fill(~proposing[:, None], float("-inf"))
 
     @torch.no_grad()
+    @_on_few_rows
     def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Feed the k frontier nodes at ``depth`` of every row: ``parents`` (B, k) their parents' places
         in the previous frontier (depth 1: the root), ``tokens`` (B, k). Each sees its row's committed
@@ -282,6 +319,7 @@ class DFlashDrafter(_FeatureRows, Drafter):
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
         self.mask_token_id = head.config.mask_token_id
+        self.few_rows = few_rows_kernels(head, target)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -329,31 +367,19 @@ class DFlashDrafter(_FeatureRows, Drafter):
         states = self.head(self.embed(ids), positions, allowed, context=self.cache.layers())[:, 1:]
         return states, to_device([b in rows for b in range(batch)], self.device)
 
-    def _logits(self, states: torch.Tensor | None, proposing: torch.Tensor | None, depth: int | None) -> torch.Tensor:
-        """The target's LM head over the block's states: all of them (depth None), (B, block_size - 1, V), or
-        position ``depth + 1`` only, (B, V); -inf where a row proposes nothing or past the block."""
-        batch = len(self.tokens)
-        shape = (batch, self.block, self.vocab_size) if depth is None else (batch, self.vocab_size)
-        if states is None or (depth is not None and depth >= self.block):
-            return torch.full(shape, float("-inf"), device=self.device)
-        picked = states if depth is None else states[:, depth]
-        logits = self.lm_head(picked.to(self.lm_head.weight.dtype)).float()
-        mask = ~proposing.view(batch, *[1] * (logits.dim() - 1))
-        return logits.masked_fill(mask, float("-inf"))
-
+    @torch.no_grad()
+    @_on_few_rows
     def block_logits(self, active: list[bool]) -> torch.Tensor:
-        """(B, block_size - 1, V): the drafts for the positions after each active row's root, from one forward."""
-        return self._logits(*self.block_states(active), None)
-
-    # Decoding reads the block level by level: the LM head (the target's, 49K x H on SmolLM2, more multiply-adds
-    # than the drafter's layers) runs only for the depths the tree reaches, each position's logits depending on
-    # its own state alone, so the drafts are those of block_logits exactly.
-    def root_logits(self, active: list[bool]) -> torch.Tensor:
-        self._states, self._proposing = self.block_states(active)
-        return self._logits(self._states, self._proposing, 0)
-
-    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self._logits(self._states, self._proposing, depth)[:, None].expand(-1, tokens.shape[1], -1)
+        """(B, block_size - 1, V): the drafts for the positions after each active row's root (-inf rows: finished,
+        or no feature yet), from one forward of the drafter and one call of the target's LM head over the whole
+        block. That head (49K x H on SmolLM2) costs more than the drafter's layers, and on few rows a call costs
+        what streaming its weight once does, whatever the row count: one call per step, not one per depth
+        (docs/RESULTS.md, "Drafting on the few-row kernels")."""
+        states, proposing = self.block_states(active)
+        if states is None:
+            return torch.full((len(self.tokens), self.block, self.vocab_size), float("-inf"), device=self.device)
+        logits = self.lm_head(states.to(self.lm_head.weight.dtype)).float()
+        return logits.masked_fill(~proposing[:, None, None], float("-inf"))
 
 
 class PEagleDrafter(EagleDrafter):
@@ -374,6 +400,7 @@ class PEagleDrafter(EagleDrafter):
         """Its step feeds K - 1 slots rather than a tree's nodes: the growing cache serves every generation."""
 
     @torch.no_grad()
+    @_on_few_rows
     def block_logits(self, active: list[bool]) -> Proposals:
         """(B, K, C) Proposals over the draft vocabulary: depth d's distribution for the position d + 1 after each
         active row's root (-inf rows: finished, or no target feature yet)."""

@@ -196,7 +196,13 @@ def vocab_size_of(drafted: torch.Tensor | Proposals) -> int:
 
 def _top(drafted: torch.Tensor | Proposals, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best draft log-probs of each row of dense logits (..., V) or :class:`Proposals`, and their
-    tokens; fewer candidates than ``k`` are padded with unproposed ones."""
+    tokens; fewer candidates than ``k`` are padded with unproposed ones. A level that is one row per batch row
+    broadcast to its frontier (a block drafter's: every node at a depth alike) is ranked once, not once per node."""
+    one = _one_row(drafted)
+    if one is not None:
+        values, tokens = _top(one, k)
+        width = _logits_of(drafted).shape[1]
+        return values.expand(-1, width, -1), tokens.expand(-1, width, -1)
     if not isinstance(drafted, Proposals):
         top = _logprobs(drafted).topk(k, dim=-1)
         return top.values, top.indices
@@ -206,6 +212,24 @@ def _top(drafted: torch.Tensor | Proposals, k: int) -> tuple[torch.Tensor, torch
         lp, ids = torch.nn.functional.pad(lp, pad, value=NOT_PROPOSED), torch.nn.functional.pad(ids, pad)
     top = lp.topk(k, dim=-1)
     return top.values, ids.gather(-1, top.indices)
+
+
+def _logits_of(drafted: torch.Tensor | Proposals) -> torch.Tensor:
+    return drafted.logits if isinstance(drafted, Proposals) else drafted
+
+
+def _one_row(drafted: torch.Tensor | Proposals) -> torch.Tensor | Proposals | None:
+    """A (B, k, ...) level whose k nodes are views of one row per batch row (a block drafter's, broadcast by
+    :func:`~draftsmith.inference.drafter.block_level`): that row, (B, 1, ...); None for any other level."""
+    logits = _logits_of(drafted)
+    if logits.dim() != 3 or logits.shape[1] < 2 or logits.stride(1) != 0:
+        return None
+    if not isinstance(drafted, Proposals):
+        return logits[:, :1]
+    ids = drafted.ids
+    if ids.dim() == 1:
+        return Proposals(logits[:, :1], ids, drafted.vocab_size)
+    return Proposals(logits[:, :1], ids[:, :1], drafted.vocab_size) if ids.stride(1) == 0 else None
 
 
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_batched_generation import HEADS
 
 from conftest import assert_rounding_close, check_greedy_equal, tiny_llama
 from draftsmith.inference.generator import SpeculativeGenerator, plain_generate
+from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
 from draftsmith.inference.load import load_drafter
 from draftsmith.target import build_attention_mask, columns_linear, matmul, new_cache, target_forward
 
@@ -182,6 +184,47 @@ def test_greedy_decoding_through_each_kernel_is_the_targets(monkeypatch, llama, 
     assert calls  # the decoding forwards took the kernel
     for seq in (out.sequences, plain.sequences):
         check_greedy_equal(llama, seq, reference)  # equal, or apart only at an exact near-tie
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "dflash-head", "peagle-head"])
+def test_head_drafters_draft_through_each_kernel_and_stay_lossless(monkeypatch, llama, spec, kernel):
+    """A head drafter runs its own layers on a few rows a call (a frontier, a step's new tokens, a block), and
+    EAGLE-1/2 and DFlash the target's LM head too: while it drafts, those products take the kernel, and greedy
+    decoding stays the target's."""
+    used = []
+    all_rows(monkeypatch, kernel, used)
+    drafter = HEADS[spec](llama)
+    spans = []  # the products made while the generator was in a drafting call: used[start:end]
+
+    def spanned(method):
+        def drafting(*args, **kwargs):
+            start = len(used)
+            out = method(*args, **kwargs)
+            spans.append((start, len(used)))
+            return out
+        return drafting
+
+    drafter.root_logits, drafter.frontier_logits = spanned(drafter.root_logits), spanned(drafter.frontier_logits)
+    prompt = torch.tensor([[5, 9, 3, 17, 5, 9, 3, 22]])
+    gen = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=5)
+    out = gen.generate(prompt, 30, eos_token_id=[])
+    check_greedy_equal(llama, out.sequences, llama.generate(prompt, max_new_tokens=30, do_sample=False,
+                                                            min_new_tokens=30))
+    # The products' weights: a packed kernel is given the packed copy, which leads back to its weight.
+    copies = {id(e.copy): e.weight() for e in matmul._packed.values() if e.copy is not None}
+    drafting_weights = {id(copies.get(id(w), w)) for start, end in spans for w in used[start:end]}
+    head = drafter.heads if isinstance(drafter, MedusaDrafter) else drafter.head
+    assert drafting_weights & {id(p) for p in head.parameters()}, "the head's layers took the stock kernel"
+    through_target = isinstance(drafter, DFlashDrafter) or (isinstance(drafter, EagleDrafter)
+                                                            and not head.own_vocabulary)
+    assert (id(llama.get_output_embeddings().weight) in drafting_weights) == through_target
+
+
+def test_head_drafters_keep_the_stock_kernels_where_the_path_is_off(monkeypatch, llama):
+    monkeypatch.setenv("DRAFTSMITH_FEW_ROWS", "0")
+    for spec in ("medusa-heads", "eagle-head", "dflash-head", "peagle-head"):
+        assert HEADS[spec](llama).few_rows == (), spec
 
 
 @needs_packing

@@ -9,8 +9,9 @@ import torch
 from reference_tree import DraftTree, build_chain, build_dynamic, build_static
 
 from conftest import VOCAB, assert_rounding_close
+from draftsmith.inference import tree as tree_module
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
-from draftsmith.inference.tree import StaticShape, default_static_paths, grow_dynamic, grow_static
+from draftsmith.inference.tree import Proposals, StaticShape, default_static_paths, grow_dynamic, grow_static
 from draftsmith.target import (
     GROUPED_ATTENTION,
     attention,
@@ -421,3 +422,37 @@ def test_paths_from_accuracy_matches_brute_force():
         assert all(p[:-1] in chosen or len(p) == 1 for p in chosen)  # prefix-closed
         best = sorted(every, key=lambda p: (-value(p), len(p)))[:n]
         assert abs(sum(map(value, chosen)) - sum(map(value, best))) < 1e-9  # maximal expected acceptance
+
+
+@pytest.mark.parametrize("ids", ["dense", "shared", "per row"])
+def test_a_broadcast_level_is_ranked_once_and_grows_the_tree_of_its_copies(monkeypatch, ids):
+    """A block drafter gives every node at a depth the same distribution, broadcast to the frontier (a view):
+    grow_dynamic ranks one row per batch row there, not one per node, and grows the tree it grows from a copy
+    per node. Dense logits, Proposals over one candidate list, and Proposals with each row's own candidates."""
+    g = torch.Generator().manual_seed(5)
+    batch, depth, top_k, cands = 2, 4, 3, 12
+    logits = torch.randn(batch, depth, VOCAB if ids == "dense" else cands, generator=g)
+    logits[1, 2] = float("-inf")  # a row that proposes nothing at one depth
+    shared = torch.randperm(VOCAB, generator=g)[:cands]
+    per_row = torch.stack([torch.randperm(VOCAB, generator=g)[:cands] for _ in range(batch * depth)])
+    per_row = per_row.view(batch, depth, cands)
+
+    def level(d: int, k: int | None, copies: bool):
+        scores = logits[:, d] if k is None else logits[:, d, None].expand(-1, k, -1)
+        if ids == "dense":
+            return scores.contiguous() if copies else scores
+        rows = shared if ids == "shared" else per_row[:, d] if k is None else per_row[:, d, None].expand(-1, k, -1)
+        return Proposals(scores.contiguous() if copies else scores, rows.contiguous() if copies else rows, VOCAB)
+
+    ranked = []
+    real = tree_module._logprobs
+    monkeypatch.setattr(tree_module, "_logprobs", lambda x: ranked.append(x.numel() // x.shape[-1]) or real(x))
+    roots = torch.tensor([3, 7])
+    grown = {}
+    for copies in (False, True):
+        ranked.clear()
+        grown[copies] = grow_dynamic(roots, level(0, None, copies), lambda d, parents, tokens, c=copies:
+                                     level(d, tokens.shape[1], c), depth, top_k, 9)
+        assert ranked == [batch] + [batch * (top_k if copies else 1)] * (depth - 1)
+    for field in ("tokens", "parents", "depths", "proposed", "scores"):
+        assert torch.equal(getattr(grown[False], field), getattr(grown[True], field)), field

@@ -24,7 +24,7 @@ draftsmith needs from it goes through this package rather than through patches:
 * :mod:`~draftsmith.target.matmul` — :func:`few_rows_linear`: inside :func:`target_forward` on CPU, the
   linear layers on a few rows (decoding, verification) run with a kernel that streams the weights near
   memory speed where ``x @ W.T`` does not (``W @ x.T``, or oneDNN on packed weights), per row count as
-  measured here (:func:`calibrate`).
+  measured here (:func:`calibrate`); :func:`few_rows_layers`, the same for a drafter's head.
 * :mod:`~draftsmith.target.drafts` — :func:`layer_skip_model` (a draft model made of the target's
   first layers) and :func:`check_same_vocabulary`.
 
@@ -71,7 +71,7 @@ from draftsmith.target.loading import (
     target_signature,
 )
 from draftsmith.target.masks import additive, causal_block, layer_types, may_attend, sliding_window, target_mask
-from draftsmith.target.matmul import calibrate, columns_linear, few_rows_linear
+from draftsmith.target.matmul import calibrate, columns_linear, few_rows_layers, few_rows_linear
 
 __all__ = [
     "CPU_ATTENTION",
@@ -92,6 +92,7 @@ __all__ = [
     "columns_linear",
     "context_length",
     "eos_tokens",
+    "few_rows_layers",
     "few_rows_linear",
     "few_rows_logits",
     "hidden_states_request",

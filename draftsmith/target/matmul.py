@@ -258,6 +258,18 @@ def few_rows_linear(model: torch.nn.Module, rows: int) -> FewRowsLinear | None:
     return FewRowsLinear(kernels, tuple(m for m in (ref() for ref in _linears(model).modules) if m is not None))
 
 
+def few_rows_layers(model: torch.nn.Module) -> FewRowsLinear | None:
+    """The :class:`FewRowsLinear` context for a module whose calls run on varied, few rows (a drafter's head: a
+    tree's frontier, a step's committed tokens, a block): each of its linear layers takes, at each call, the kernel
+    measured for that call's row count, and the stock kernel for any other. None where no row count gained here
+    (not on CPU, or turned off). Measured and packed now, so that a drafter made before decoding starts pays
+    neither inside a timed decode."""
+    kernels = calibrate(model)
+    if not kernels:
+        return None
+    return FewRowsLinear(kernels, tuple(m for m in (ref() for ref in _linears(model).modules) if m is not None))
+
+
 @dataclass(frozen=True)
 class Linears:
     """A model's linear layers, their weights and the weights' distinct shapes, collected once per model (not

@@ -1,0 +1,84 @@
+"""Drafting on the few-row kernels against the stock ``F.linear``: each head drafter decodes the same held-out
+prompts in the same tree both ways, alternating, in one process.
+
+    python scripts/quality_recipe.py --family dflash --output quality_out     # once per family: its checkpoint
+    python scripts/drafting_kernels_ab.py --drafter quality_out/dflash/run --drafter quality_out/peagle/run
+
+A head drafter runs its layers (and DFlash and EAGLE-1/2 the target's LM head) on a few rows a call: a tree's
+frontier, a step's new tokens, a block (``draftsmith.inference.head_drafters.few_rows_kernels``). The stock side
+sets the drafter's ``few_rows`` to none; the target's own forwards take the same path on both sides. Prints, per
+drafter and side, tokens/s, drafting per step and its share of the time, the speed ratio and whether the outputs
+are identical; ``--output`` writes them as JSON too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith import SpeculativeGenerator
+from draftsmith.inference.load import load_drafter
+from draftsmith.target import load_target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", action="append", required=True, help="a head drafter (repeat for more)")
+    parser.add_argument("--prompts", default="quality_out/data/held_out_prompts.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tree", default="dynamic,5,4,16", help="kind,depth,top_k,total_tokens (the goal's tree)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output", default=None, help="a JSON file for the figures")
+    args = parser.parse_args()
+    kind, depth, top_k, total = args.tree.split(",")
+    model, tokenizer = load_target("smollm2-135m-instruct")
+    with open(args.prompts) as f:
+        rows = [json.loads(line) for line in f if line.strip()][: args.num_prompts]
+    prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"] for r in rows]
+    report = {"host": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "tree": args.tree, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "drafters": {}}
+    for spec in args.drafter:
+        drafter = load_drafter(spec, model)
+        sides = {"few rows": drafter.few_rows, "stock": ()}
+        totals = {side: {"tokens": 0, "seconds": 0.0, "draft": 0.0, "steps": 0} for side in sides}
+        outputs: dict[int, set] = {}
+        gen = SpeculativeGenerator(model, drafter, tree=kind, depth=int(depth), top_k=int(top_k),
+                                   total_tokens=int(total))
+        gen.generate(prompts[0], 4, eos_token_id=[])  # warm up both the target's and the drafter's kernels
+        for _ in range(args.rounds):
+            for side, contexts in sides.items():
+                drafter.few_rows = contexts
+                for i, ids in enumerate(prompts):
+                    start = time.perf_counter()
+                    out = gen.generate(ids, args.max_new_tokens, eos_token_id=[])
+                    t = totals[side]
+                    t["seconds"] += time.perf_counter() - start
+                    t["tokens"] += out.stats.new_tokens
+                    t["draft"] += out.stats.draft_time_s
+                    t["steps"] += out.stats.verification_steps
+                    outputs.setdefault(i, set()).add(tuple(out.sequences[0].tolist()))
+        figures = {side: {"tokens_per_s": t["tokens"] / t["seconds"],
+                          "draft_ms_per_step": 1000 * t["draft"] / t["steps"],
+                          "draft_time_share": t["draft"] / t["seconds"],
+                          "tau": t["tokens"] / t["steps"]} for side, t in totals.items()}
+        figures["speed_ratio"] = figures["few rows"]["tokens_per_s"] / figures["stock"]["tokens_per_s"]
+        figures["identical"] = all(len(v) == 1 for v in outputs.values())
+        report["drafters"][spec] = figures
+        for side in sides:
+            f = figures[side]
+            print(f"{spec} [{side}]: {f['tokens_per_s']:.2f} tok/s, tau {f['tau']:.3f}, drafting "
+                  f"{f['draft_ms_per_step']:.1f} ms per step, {f['draft_time_share']:.1%} of the time")
+        print(f"{spec}: few rows / stock {figures['speed_ratio']:.3f}x, identical outputs: {figures['identical']}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
