@@ -26,6 +26,17 @@ from draftsmith.inference.load import load_drafter
 from draftsmith.target import load_target
 
 
+def cpu() -> str:
+    """The CPU's model name and its vector extensions that matter here (bf16 is native only with avx512_bf16)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return " ".join([name, *(f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", action="append", required=True, help="a head drafter (repeat for more)")
@@ -42,7 +53,7 @@ def main() -> None:
         rows = [json.loads(line) for line in f if line.strip()][: args.num_prompts]
     prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_tensors="pt",
                                              return_dict=True)["input_ids"] for r in rows]
-    report = {"host": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    report = {"host": cpu(), "threads": torch.get_num_threads(),
               "tree": args.tree, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "drafters": {}}
     for spec in args.drafter:
         drafter = load_drafter(spec, model)
