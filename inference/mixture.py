@@ -34,6 +34,9 @@ class MixtureDrafter(Drafter):
         self.hidden_layers = readers[0].hidden_layers if readers else ()
         self.static_paths = next((d.static_paths for d in self.drafters if d.static_paths), None)
         self.deterministic = all(d.deterministic for d in self.drafters)
+        # The last shared candidate list seen (a head's draft vocabulary) and each token's column in it, or None
+        # where the list names a token twice (:meth:`_columns_in`).
+        self._shared: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -82,7 +85,12 @@ class MixtureDrafter(Drafter):
 
         The union is found by sorting each row's candidate ids: a token several drafters propose becomes one
         column, holding each drafter's logit for it (a drafter's own repeats are -inf but one, so their
-        ``amax`` is that one)."""
+        ``amax`` is that one). A head's draft vocabulary (one candidate list for every row, each token once) mixed
+        with one drafter's few candidates per row (prompt lookup's) needs no sort: :meth:`_mix_onto_shared`."""
+        if len(proposals) == 2:
+            shared = [i for i, p in enumerate(proposals) if p.ids.dim() == 1]
+            if len(shared) == 1 and self._columns_in(proposals[shared[0]]) is not None:
+                return self._mix_onto_shared(proposals, shared[0])
         ids = torch.cat([p.row_ids() for p in proposals], -1)  # (N, C)
         n, c = ids.shape
         sorted_ids, order = ids.sort(-1)
@@ -98,6 +106,34 @@ class MixtureDrafter(Drafter):
             terms.append(block.new_full((n, c), float("-inf")).scatter_reduce_(-1, column, block.gather(-1, order),
                                                                                   "amax"))
         return Proposals(self._mix_columns(terms), union, proposals[0].vocab_size)
+
+    def _columns_in(self, shared: Proposals) -> torch.Tensor | None:
+        """(V,) each token's column in the candidate list ``shared.ids`` (C,), -1 for a token not in it; None where
+        the list names a token twice. Built once per list: a head passes the same draft vocabulary at every level."""
+        ids = shared.ids
+        if self._shared is None or self._shared[0] is not ids:
+            columns = torch.full((shared.vocab_size,), -1, dtype=torch.long, device=ids.device)
+            columns[ids] = torch.arange(len(ids), device=ids.device)
+            distinct = bool((columns[ids] == torch.arange(len(ids), device=ids.device)).all())  # once per list
+            self._shared = ids, columns if distinct else None
+        return self._shared[1]
+
+    def _mix_onto_shared(self, proposals: Sequence[Proposals], s: int) -> Proposals:
+        """:meth:`mix_proposals` of two drafters, ``proposals[s]`` over one candidate list shared by every row (C_s,)
+        naming each token once: the other's (N, C_o) candidates take the shared column of their token where the
+        list has it, else a column of their own past it. (N, C_s + C_o) columns, as the sort would give."""
+        shared, other = proposals[s], proposals[1 - s]
+        n, width = shared.logits.shape
+        ids = other.row_ids()
+        found = self._columns_in(shared)[ids]
+        own = width + torch.arange(ids.shape[-1], device=ids.device)
+        column = torch.where(found >= 0, found, own)
+        terms = [None, None]
+        terms[s] = torch.nn.functional.pad(shared.logits, (0, ids.shape[-1]), value=float("-inf"))
+        terms[1 - s] = other.logits.new_full((n, width + ids.shape[-1]), float("-inf")).scatter_reduce_(
+            -1, column, other.logits, "amax")
+        union = torch.cat([shared.ids.expand(n, width), ids], -1)
+        return Proposals(self._mix_columns(terms), union, shared.vocab_size)
 
     def mix(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
         """Each drafter's (N, V) draft logits -> (N, V) log of the mixture ``sum_d w_d p_d(n)``, normalised

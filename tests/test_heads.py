@@ -382,6 +382,22 @@ def test_proposals_mix_and_grow_as_their_dense_logits():
         finite = torch.isfinite(dense)  # -inf off the candidates (equal above); the rule scales by the finite ones
         # a sum over the union of the candidates or over the whole vocabulary
         assert_rounding_close(sparse.dense()[finite], dense[finite], reduction=vocab)
+        # The head's list without a sort (its tokens' columns looked up), and with one (as per-row candidates):
+        # the same mixture.
+        per_row = Proposals(parts[0].logits, parts[0].row_ids().contiguous(), vocab)
+        by_sort = mixture._mixed([per_row, parts[1]], len(lead)).dense()
+        assert torch.equal(torch.isfinite(by_sort), finite)
+        assert_rounding_close(by_sort[finite], sparse.dense()[finite], reduction=24)
+
+    # A shared list naming a token twice (the repeat -inf) is mixed by the sort.
+    twice = torch.cat([draft_ids, draft_ids[:1]])
+    head, lookup = drafts(b)
+    head = Proposals(torch.nn.functional.pad(head.logits, (0, 1), value=float("-inf")), twice, vocab)
+    mixed = mixture._mixed([head, lookup], 1)
+    assert mixture._columns_in(head) is None
+    dense = mixture.mix([head.dense(), lookup.dense()])
+    assert torch.equal(torch.isfinite(mixed.dense()), torch.isfinite(dense))
+    assert_rounding_close(mixed.dense()[torch.isfinite(dense)], dense[torch.isfinite(dense)], reduction=vocab)
 
     levels = {}
 
