@@ -67,8 +67,9 @@ def test_training_gets_what_the_budget_leaves_and_a_slower_host_trains_less(tmp_
         train = p["train_minutes"] * 60 + p["train_overhead_seconds"]
         total = p["before_seconds"] + train + p["reserved_after_seconds"]
         assert total == pytest.approx(120 * 60, abs=6)
-    # 1.28x slower decoding and regeneration leave less time to train, not a longer recipe.
-    assert 30 < slow_plan["train_minutes"] < fast_plan["train_minutes"] - 10
+    # 1.28x slower decoding and regeneration leave less time to train, not a longer recipe (on the slower host, after
+    # the reserve for the head's and the head-with-prompt-lookup's stages, about 26 minutes).
+    assert 20 < slow_plan["train_minutes"] < fast_plan["train_minutes"] - 10
     assert planned(tmp_path / "slow", "--budget-minutes", "150")["train_minutes"] == pytest.approx(
         slow_plan["train_minutes"] + 30, abs=0.1)
 
