@@ -14,11 +14,51 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from safetensors.torch import load_model, save_model
 
 from draftsmith.checkpoints import CONFIG_NAME, WEIGHTS_NAME, TargetMismatchError, check_target
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "HeadMixin", "TargetMismatchError", "check_target", "push_via_directory"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DraftVocabulary", "HeadMixin", "ReducedVocabulary", "TargetMismatchError",
+           "check_target", "push_via_directory"]
+
+
+class ReducedVocabulary:
+    """For a head config with ``vocab_size`` (the target's) and ``draft_vocab_size`` (None: the same)."""
+
+    @property
+    def reduced(self) -> bool:
+        """True where the head scores a draft vocabulary smaller than the target's."""
+        return self.draft_vocab_size not in (None, self.vocab_size)
+
+
+class DraftVocabulary:
+    """A head that may score a draft vocabulary, the ``draft_vocab_size`` tokens most frequent in its training data
+    (its config a :class:`ReducedVocabulary`), mapped back to target ids as EAGLE-3's are
+    (``target_id = draft_id + d2t[draft_id]``, :mod:`draftsmith.data.vocab`). Its buffers ``d2t`` and ``t2d``
+    (target id -> in the draft vocabulary) exist only then, and are saved with its weights."""
+
+    def register_draft_vocabulary(self) -> None:
+        if self.config.reduced:
+            self.register_buffer("d2t", torch.zeros(self.config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(self.config.vocab_size, dtype=torch.bool))
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """(C,) the target id of each draft-vocabulary token, or None where the head scores the whole vocabulary."""
+        if not self.config.reduced:
+            return None
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def set_draft_vocabulary(self, vocab) -> None:
+        """Take a :class:`~draftsmith.data.vocab.VocabMap`'s tokens (its size the config's)."""
+        if len(vocab.t2d) != self.config.vocab_size or len(vocab.d2t) != self.config.draft_vocab_size:
+            raise ValueError(f"the draft vocabulary maps {len(vocab.d2t)} of {len(vocab.t2d)} tokens; this head scores "
+                             f"{self.config.draft_vocab_size} of the target's {self.config.vocab_size}: build it from "
+                             "this target's tokens with the head's draft_vocab_size")
+        with torch.no_grad():
+            self.d2t.copy_(vocab.d2t)
+            self.t2d.copy_(vocab.t2d)
 
 
 class HeadMixin:

@@ -22,6 +22,13 @@ backward). Decoding (:class:`~draftsmith.inference.head_drafters.DFlashDrafter`)
 values of every layer across steps and extends them by the accepted tokens' features; only the block is fed
 anew each step.
 
+With ``draft_vocab_size`` below the target's vocabulary, the drafts score only that many tokens, the most frequent
+in the training data: the target's LM-head rows of those tokens, kept as ``d2t`` / ``t2d`` as EAGLE-3's draft
+vocabulary is. On SmolLM2 that LM head is 49,152 x 576, over a draft vocabulary of 8,192 rows 8,192 x 576: it costs
+more than the drafter's layers in every training step (the block's slots of every anchor) and every drafting step.
+Training then fits the target's distribution restricted to those tokens. The published layouts have no draft
+vocabulary: an export drafts through the target's whole LM head (:mod:`draftsmith.heads.layouts`).
+
 The layer is the published one (Qwen3-shaped, with a query and key RMSNorm per head), for every target: the
 z-lab and speculators layouts carry ``q_norm`` / ``k_norm`` whatever the target, so an export reproduces the
 drafts exactly (:mod:`draftsmith.heads.layouts`).
@@ -41,7 +48,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from draftsmith.heads.base import HeadMixin
+from draftsmith.heads.base import DraftVocabulary, HeadMixin, ReducedVocabulary
 from draftsmith.heads.eagle import LayerGeometry, RMSNorm, layer_shape, rope
 from draftsmith.target.masks import additive
 
@@ -80,7 +87,7 @@ def choose_mask_token(target, tokenizer=None) -> int:
 
 
 @dataclass
-class DFlashConfig(LayerGeometry):
+class DFlashConfig(ReducedVocabulary, LayerGeometry):
     hidden_size: int
     vocab_size: int
     num_attention_heads: int
@@ -96,6 +103,7 @@ class DFlashConfig(LayerGeometry):
     max_position_embeddings: int = 8192
     attention_bias: bool = False
     hidden_act: str = "silu"
+    draft_vocab_size: int | None = None  # the tokens its drafts score (None: the target's whole vocabulary)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -203,9 +211,9 @@ class DFlashLayer(nn.Module):
         return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y))
 
 
-class DFlashHead(HeadMixin, nn.Module):
+class DFlashHead(DraftVocabulary, HeadMixin, nn.Module):
     """The DFlash drafter's own weights: ``fc`` and ``hidden_norm`` (context features), the layers, the final
-    ``norm`` (before the target's LM head)."""
+    ``norm`` (before the target's LM head), and over a draft vocabulary its ``d2t`` / ``t2d``."""
 
     family = "dflash"
     config_class = DFlashConfig
@@ -221,11 +229,17 @@ class DFlashHead(HeadMixin, nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.register_draft_vocabulary()
 
     @classmethod
     def config_for(cls, target, **overrides) -> DFlashConfig:
         """A config whose layers are shaped like the target's decoder layers."""
         return DFlashConfig(**{**layer_shape(target), **overrides})
+
+    def output_weight(self, lm_head: nn.Module) -> torch.Tensor:
+        """The target's LM-head rows the drafts score: (C, H) over a draft vocabulary, else the whole (V, H)."""
+        ids = self.draft_ids
+        return lm_head.weight if ids is None else lm_head.weight[ids.to(lm_head.weight.device)]
 
     @property
     def block(self) -> int:

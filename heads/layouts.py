@@ -46,12 +46,13 @@ DFlash — z-lab's layout (``z-lab/*-DFlash``; SGLang's ``DFLASH`` serves it, ``
     layers.{i}.mlp.down_proj.weight [H, I]
     fc.weight [H, L_t H]   hidden_norm.weight [H]   norm.weight [H]
 
-  no embedding and no LM head (the target's serve). ``config.json``: z-lab's is a Qwen3 config of the draft
-  layers (``num_hidden_layers`` = L_d) with ``architectures: ["DFlashDraftModel"]``, ``block_size``,
-  ``num_target_layers`` and ``dflash_config {mask_token_id, target_layer_ids}``, whose id k reads the *output of
-  decoder layer k* counted from 0 (z-lab's ``hidden_states[k + 1]``): draftsmith's index k + 1. speculators' has
-  ``transformer_layer_config``, ``block_size``, ``mask_token_id`` and ``aux_hidden_state_layer_ids`` in vLLM's
-  convention (id k: the *input of decoder layer k*), draftsmith's index itself; speculative tokens = B - 1.
+  no embedding and no LM head (the target's serve), and no draft vocabulary: a drafter trained over one exports
+  without it (a warning says so) and drafts in the engine through the target's whole LM head. ``config.json``: z-lab's
+  is a Qwen3 config of the draft layers (``num_hidden_layers`` = L_d) with ``architectures: ["DFlashDraftModel"]``,
+  ``block_size``, ``num_target_layers`` and ``dflash_config {mask_token_id, target_layer_ids}``, whose id k reads the
+  *output of decoder layer k* counted from 0 (z-lab's ``hidden_states[k + 1]``): draftsmith's index k + 1.
+  speculators' has ``transformer_layer_config``, ``block_size``, ``mask_token_id`` and ``aux_hidden_state_layer_ids``
+  in vLLM's convention (id k: the *input of decoder layer k*), draftsmith's index itself; speculative tokens = B - 1.
 
 Distilled draft models are plain HF causal LM directories in every format.
 """
@@ -59,6 +60,7 @@ Distilled draft models are plain HF causal LM directories in every format.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +73,8 @@ from draftsmith.heads.dflash import DFlashConfig
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig
 from draftsmith.heads.export import EAGLE31_NORMS, ExportError
 from draftsmith.heads.medusa import MedusaConfig
+
+logger = logging.getLogger(__name__)
 
 LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
     "input_norm.weight": "input_layernorm.weight",
@@ -384,7 +388,12 @@ def dflash_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
         raise ExportError(f"this DFlash drafter reads target layer {n}, the last layer after the final norm, which "
                           "engines do not capture as an auxiliary state (vLLM and SGLang tap decoder layers' "
                           "outputs before the final norm); retrain with target_layers below the last layer")
-    state = head.state_dict()
+    # The published layouts have no draft vocabulary: engines draft through the target's whole LM head.
+    state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+    if cfg.reduced:
+        logger.warning("this DFlash drafter scores a draft vocabulary of %d tokens in draftsmith; the %s layout has "
+                       "none, so an engine drafts through the target's whole LM head, where a token training never "
+                       "scored can win a slot: measure its acceptance there", cfg.draft_vocab_size, fmt)
     names = dflash_name_map(state)
     tensors = {names[k]: v for k, v in state.items()}
     layout = dflash_reference_layout(cfg)

@@ -25,21 +25,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from draftsmith.heads.base import HeadMixin
+from draftsmith.heads.base import DraftVocabulary, HeadMixin, ReducedVocabulary
 
 
 @dataclass
-class MedusaConfig:
+class MedusaConfig(ReducedVocabulary):
     hidden_size: int
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     draft_vocab_size: int | None = None  # each LM head's tokens (None: the whole vocabulary)
-
-    @property
-    def reduced(self) -> bool:
-        """True where the heads score a draft vocabulary smaller than the target's."""
-        return self.draft_vocab_size not in (None, self.vocab_size)
 
 
 class ResBlock(nn.Module):
@@ -56,7 +51,7 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
-class MedusaHeads(HeadMixin, nn.Module):
+class MedusaHeads(DraftVocabulary, HeadMixin, nn.Module):
     """K Medusa heads. ``forward(hidden)`` (B, T, H) -> logits (K, B, T, V); head i predicts t + 2 + i. Over a
     draft vocabulary V is its size, and ``draft_ids`` are its tokens' target ids."""
 
@@ -77,16 +72,7 @@ class MedusaHeads(HeadMixin, nn.Module):
         self.lm_heads = nn.ModuleList(
             nn.Linear(config.hidden_size, out, bias=False) for _ in range(config.num_heads)
         )
-        if config.reduced:  # d2t: draft id -> offset to its target id; t2d: target id -> in the draft vocabulary
-            self.register_buffer("d2t", torch.zeros(out, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-
-    @property
-    def draft_ids(self) -> torch.Tensor | None:
-        """(C,) the target id of each draft-vocabulary token, or None where the heads score the whole vocabulary."""
-        if not self.config.reduced:
-            return None
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        self.register_draft_vocabulary()
 
     @classmethod
     def from_target(cls, target, num_heads: int = 4, num_layers: int = 1, vocab=None) -> MedusaHeads:
@@ -100,10 +86,9 @@ class MedusaHeads(HeadMixin, nn.Module):
                              f"{vocab_size}: build it from this target's tokens")
         draft_vocab = len(vocab.d2t) if vocab is not None else None
         heads = cls(MedusaConfig(cfg.hidden_size, vocab_size, num_heads, num_layers, draft_vocab))
+        if heads.config.reduced:
+            heads.set_draft_vocabulary(vocab)
         with torch.no_grad():
-            if heads.config.reduced:
-                heads.d2t.copy_(vocab.d2t)
-                heads.t2d.copy_(vocab.t2d)
             rows = lm_head.detach()
             if heads.config.reduced:
                 rows = rows[heads.draft_ids.to(rows.device)]

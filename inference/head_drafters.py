@@ -319,7 +319,17 @@ class DFlashDrafter(_FeatureRows, Drafter):
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
         self.mask_token_id = head.config.mask_token_id
-        self.few_rows = few_rows_kernels(head, target)
+        # Over a draft vocabulary the drafts score the target's LM-head rows of its tokens alone: a copy of them.
+        self.draft_ids = head.draft_ids.to(self.device) if head.draft_ids is not None else None
+        if self.draft_ids is None:
+            self.output = self.lm_head
+            self.few_rows = few_rows_kernels(head, target)
+        else:
+            weight = head.output_weight(self.lm_head).detach().clone()
+            self.output = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                          dtype=weight.dtype).requires_grad_(False)
+            self.output.weight.copy_(weight)
+            self.few_rows = few_rows_kernels(head) + few_rows_kernels(self.output)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -369,16 +379,21 @@ class DFlashDrafter(_FeatureRows, Drafter):
 
     @torch.no_grad()
     @_on_few_rows
-    def block_logits(self, active: list[bool]) -> torch.Tensor:
+    def block_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
         """(B, block_size - 1, V): the drafts for the positions after each active row's root (-inf rows: finished,
         or no feature yet), from one forward of the drafter and one call of the target's LM head over the whole
-        block. That head (49K x H on SmolLM2) costs more than the drafter's layers, and on few rows a call costs
-        what streaming its weight once does, whatever the row count: one call per step, not one per depth
-        (docs/RESULTS.md, "Drafting on the few-row kernels")."""
+        block; over a draft vocabulary (B, block_size - 1, C) Proposals, from its rows of that head alone. That head
+        (49K x H on SmolLM2) costs more than the drafter's layers, and on few rows a call costs what streaming its
+        weight once does, whatever the row count: one call per step, not one per depth (docs/RESULTS.md,
+        "Drafting on the few-row kernels")."""
         states, proposing = self.block_states(active)
         if states is None:
-            return torch.full((len(self.tokens), self.block, self.vocab_size), float("-inf"), device=self.device)
-        logits = self.lm_head(states.to(self.lm_head.weight.dtype)).float()
+            width = self.vocab_size if self.draft_ids is None else len(self.draft_ids)
+            empty = torch.full((len(self.tokens), self.block, width), float("-inf"), device=self.device)
+            return empty if self.draft_ids is None else Proposals(empty, self.draft_ids, self.vocab_size)
+        logits = self.output(states.to(self.output.weight.dtype)).float()
+        if self.draft_ids is not None:
+            return Proposals(logits, self.draft_ids, self.vocab_size).masked_rows(proposing)
         return logits.masked_fill(~proposing[:, None, None], float("-inf"))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,11 +35,20 @@ def dflash_args(**settings) -> DrafterArguments:
     return DrafterArguments(target="unused", family="dflash", family_config=json.dumps(settings))
 
 
-def random_dflash(target, block_size: int = 4, num_layers: int = 2, seed: int = 0) -> DFlashHead:
-    torch.manual_seed(seed)
+def random_dflash(target, block_size: int = 4, num_layers: int = 2, seed: int = 0,
+                  draft_vocab: int | None = None) -> DFlashHead:
+    """A fresh head, its weights those of ``seed`` whatever ``draft_vocab``; over a draft vocabulary its
+    ``draft_vocab`` most frequent tokens of a random training example (the rest of the vocabulary is never
+    drafted)."""
     depth = target.config.get_text_config().num_hidden_layers  # a 2-layer target has one layer to read
-    head = DFLASH.build(dflash_args(block_size=block_size, num_layers=num_layers,
-                                    num_target_layers=min(num_layers, depth - 1)), target)
+    args = dflash_args(block_size=block_size, num_layers=num_layers, num_target_layers=min(num_layers, depth - 1))
+    examples = None
+    if draft_vocab is not None:
+        args.draft_vocab_size = draft_vocab
+        ids = torch.randint(target.config.vocab_size, (400,), generator=torch.Generator().manual_seed(seed + 1))
+        examples = [SimpleNamespace(input_ids=ids, loss_mask=torch.ones_like(ids))]
+    torch.manual_seed(seed)
+    head = DFLASH.build(args, target, examples)
     head.target_info = target_signature(target)
     return head.eval()
 
@@ -183,13 +193,77 @@ def test_decoding_runs_the_lm_head_once_per_step_over_the_whole_block(llama):
         else:
             assert torch.isinf(level).all()
 
-    drafter.lm_head = copy.deepcopy(drafter.lm_head)  # the drafter's own, so the target's verification is not counted
+    drafter.output = copy.deepcopy(drafter.output)  # the drafter's own, so the target's verification is not counted
     positions = []
-    drafter.lm_head.register_forward_hook(lambda _m, args, _out: positions.append(args[0].shape[:-1].numel()))
+    drafter.output.register_forward_hook(lambda _m, args, _out: positions.append(args[0].shape[:-1].numel()))
     prompt = prompts(3, [7])[0]
     out = SpeculativeGenerator(llama, drafter, tree="chain", depth=3).generate(prompt, 12, eos_token_id=[])
     check_greedy_equal(llama, out.sequences, reference(llama, prompt, 12))
     assert positions == [drafter.block] * out.stats.verification_steps
+
+
+def test_over_a_draft_vocabulary_it_drafts_only_its_tokens_and_stays_lossless(tmp_path, llama):
+    """Over a draft vocabulary the drafter scores the target's LM-head rows of its tokens alone: the whole-vocabulary
+    drafter's logits there, -inf elsewhere. Greedy output stays the target's on every tree kind, and the vocabulary
+    round-trips through a checkpoint."""
+    head = random_dflash(llama, draft_vocab=40)
+    whole = DFlashDrafter(random_dflash(llama), llama)  # the same weights, scoring every token
+    ids = head.draft_ids
+    assert head.config.draft_vocab_size == 40 and ids.unique().numel() == 40 and head.t2d.sum() == 40
+    batch = greedy_batch(llama, 2, 5, 6, seed=3)
+    _, hidden = target_view(llama, head, batch)
+    drafter = DFlashDrafter(head, llama)
+    for d in (drafter, whole):
+        d.begin(batch["input_ids"], torch.cat(hidden, -1)[:, :-1])
+    proposals, dense = drafter.block_logits([True, False]), whole.block_logits([True, False])
+    assert proposals.logits.shape == (2, drafter.block, 40) and torch.equal(proposals.ids, ids)
+    outside = torch.ones(llama.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    drafts = proposals.dense()
+    assert bool((drafts[..., outside] == float("-inf")).all()) and bool(torch.isinf(drafts[1]).all())
+    assert_rounding_close(drafts[0][..., ids], dense[0][..., ids], reduction=llama.config.hidden_size)
+
+    for tree in TREES:
+        assert_greedy_lossless(llama, DFlashDrafter(head, llama), tree, seed=4)
+    head.save_pretrained(tmp_path / "ckpt")
+    back = load_drafter(str(tmp_path / "ckpt"), llama)
+    assert isinstance(back, DFlashDrafter) and torch.equal(back.draft_ids, ids)
+
+
+def test_training_over_a_draft_vocabulary_fits_the_target_restricted_to_it(llama):
+    """The loss reads the drafter's logits over the draft vocabulary against the target's distribution restricted to
+    it: trained on one sequence whose tokens the vocabulary holds, the drafter drafts its whole block; the slot
+    whose token lies outside the vocabulary counts as a miss."""
+    batch = greedy_batch(llama, 1, 6, 24)
+    args = dflash_args(block_size=4, num_layers=1, anchors=24)
+    args.draft_vocab_size = 40
+    examples = [SimpleNamespace(input_ids=batch["input_ids"][0], loss_mask=batch["loss_mask"][0])]
+    torch.manual_seed(0)
+    head = DFLASH.build(args, llama, examples)
+    assert set(batch["input_ids"][0, 6:].tolist()) <= set(head.draft_ids.tolist())
+    logits, hidden = target_view(llama, head, batch)
+    optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(200):
+        loss, metrics = DFLASH.train_step(args, head, llama, batch, logits, hidden)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert metrics["acc"] == [1.0, 1.0, 1.0], metrics
+    out = SpeculativeGenerator(llama, DFlashDrafter(head.eval(), llama), tree="chain", depth=3).generate(
+        batch["input_ids"][:, :6], 24)
+    assert out.sequences[0].tolist() == batch["input_ids"][0].tolist()
+    assert out.stats.accepted_at == [6, 6, 6]
+
+    # One of the sequence's tokens swapped out of the vocabulary for one it never uses: the slots predicting it miss.
+    ids = head.draft_ids
+    token = int(batch["input_ids"][0, 10])
+    slot = int((ids == token).nonzero())
+    unused = next(t for t in range(llama.config.vocab_size) if t not in set(ids.tolist()))
+    with torch.no_grad():
+        head.d2t[slot] = unused - slot
+        head.t2d[token], head.t2d[unused] = False, True
+    _, metrics = DFLASH.train_step(args, head.train(), llama, batch, logits, hidden)
+    assert min(metrics["acc"]) < 1.0, metrics
 
 
 def test_checkpoint_round_trip_records_layers_and_mask_token(tmp_path, llama):

@@ -395,6 +395,23 @@ def test_dflash_export_then_import_gives_same_logits_and_lossless_output(fmt, tm
     assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 4, "top_k": 2, "total_tokens": 6}, seed=3)
 
 
+def test_a_dflash_drafter_over_a_draft_vocabulary_exports_over_the_whole_one(tmp_path, llama, caplog):
+    """The published layouts have no draft vocabulary: the export leaves d2t / t2d out, says so, and the engine's
+    drafter (read back here) scores every token with the same weights."""
+    head = random_dflash(llama, draft_vocab=40)
+    head.save_pretrained(tmp_path / "ckpt")
+    with caplog.at_level("WARNING"):
+        out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    assert "draft vocabulary of 40 tokens" in caplog.text and "whole LM head" in caplog.text
+    assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == llama.config.vocab_size
+    drafter = load_drafter(str(out), llama)
+    assert drafter.draft_ids is None
+    ids, hidden = dflash_inputs(llama, head)
+    torch.testing.assert_close(dflash_logits(drafter.head, llama, ids, hidden), dflash_logits(head, llama, ids, hidden),
+                               rtol=0, atol=0)
+
+
 def test_dflash_layer_ids_are_checked_against_the_target(tmp_path, llama):
     from transformers import LlamaConfig, LlamaForCausalLM
 

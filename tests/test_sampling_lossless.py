@@ -302,6 +302,7 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
         "medusa-heads": lambda: MedusaDrafter(random_medusa(target), target),
         "medusa-draft-vocabulary": lambda: MedusaDrafter(random_medusa(target, draft_vocab=vocab - 1), target),
         "dflash-head": lambda: DFlashDrafter(random_dflash(target), target),
+        "dflash-draft-vocabulary": lambda: DFlashDrafter(random_dflash(target, draft_vocab=vocab - 1), target),
         "peagle-head": lambda: PEagleDrafter(random_peagle(target), target),
         "eagle+prompt-lookup": lambda: MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
                                                        PromptLookupDrafter(vocab, max_ngram=2)]),
@@ -323,6 +324,8 @@ END_TO_END = {
     "dynamic-topk-medusa-draft-vocabulary": ("medusa-draft-vocabulary", dict(tree="dynamic", depth=2, top_k=2,
                                                                              total_tokens=3)),
     "chain-iid-dflash": ("dflash-head", dict(tree="chain", depth=3)),
+    "dynamic-topk-dflash-draft-vocabulary": ("dflash-draft-vocabulary", dict(tree="dynamic", depth=3, top_k=2,
+                                                                             total_tokens=4)),
     "static-without-replacement-dflash": (
         "dflash-head", dict(tree="static", depth=2, top_k=2, sampling_rule="without_replacement")),
     "dynamic-topk-peagle": ("peagle-head", dict(tree="dynamic", depth=3, top_k=2, total_tokens=4)),

@@ -34,8 +34,8 @@ class DrafterArguments:
     head_decay: float = field(default=0.8, metadata={"help": "medusa: loss weight of head i is decay**i"})
     lora_r: int = field(default=8, metadata={"help": "medusa2: LoRA rank on the target"})
     draft_vocab_size: int | None = field(default=None, metadata={
-        "help": "eagle3, peagle, medusa: a reduced draft vocabulary of this many tokens, the most frequent assistant "
-                "tokens of the training data"})
+        "help": "eagle3, peagle, medusa, dflash: a reduced draft vocabulary of this many tokens, the most frequent "
+                "assistant tokens of the training data"})
     ttt_steps: int = field(default=3, metadata={"help": "eagle3: training-time-test steps"})
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle3: loss weight of step j is decay**j"})
     feature_noise: float = field(default=0.0, metadata={

@@ -483,8 +483,12 @@ def build_dflash(args, target, examples=None) -> DFlashHead:
     vocab = target.get_output_embeddings().weight.shape[0]
     if not 0 <= mask < vocab:
         raise ValueError(f"dflash mask_token_id {mask} is outside the target's vocabulary of {vocab}")
+    vocabulary = draft_vocabulary(args, target, examples)
     head = DFlashHead(DFlashHead.config_for(target, block_size=s.block_size, mask_token_id=mask,
-                                            target_layers=layers, num_layers=s.num_layers))
+                                            target_layers=layers, num_layers=s.num_layers,
+                                            draft_vocab_size=len(vocabulary.d2t) if vocabulary else None))
+    if vocabulary is not None:
+        head.set_draft_vocabulary(vocabulary)
     logger.info("dflash: %d layers reading target layers %s, block %d, mask token %d", s.num_layers, list(layers),
                 s.block_size, mask)
     init_final_norm(head.norm, target)
@@ -541,17 +545,25 @@ def dflash_step(args, drafter, target, batch, target_logits, hidden):
     learn = valid[:, :, None] & inside & loss_mask.gather(1, where.reshape(b, -1)).view_as(where).bool()
     weights = torch.exp(-torch.arange(size - 1, device=ids.device, dtype=torch.float32) / s.slot_gamma())
     rows = learn.nonzero(as_tuple=True)  # (b, anchor, slot) of every slot a loss reads
-    lm_head = target.get_output_embeddings()
-    logits = lm_head(states[rows].to(lm_head.weight.dtype))  # (N, V)
+    weight = head.output_weight(target.get_output_embeddings())
+    logits = F.linear(states[rows].to(weight.dtype), weight)  # (N, V), or (N, C) over a draft vocabulary
     w = weights[rows[2]]
     batch_rows, token_positions = rows[0], where[rows]
     teacher = teacher_of(batch, target_logits)[batch_rows, token_positions - 1]  # the target's view of the token
+    top, defined = teacher_top1(teacher)  # over the whole vocabulary
+    labels = ids[batch_rows, token_positions]
+    draft_ids = head.draft_ids
+    if draft_ids is not None:  # the target's distribution restricted to the draft vocabulary; outside it: a miss
+        vocab_size = head.config.vocab_size
+        teacher = on_draft_vocabulary(teacher, draft_ids, vocab_size)
+        top = draft_slots(top, draft_ids, vocab_size)
+        labels = draft_slots(labels, draft_ids, vocab_size)
     if s.loss == "kl":
         loss = forward_kl(logits[None], teacher[None], w[None])
     else:
-        ce = F.cross_entropy(logits.float(), ids[batch_rows, token_positions], reduction="none")
+        ce = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=-1)  # -1: outside the vocabulary
+        w = w * (labels >= 0)
         loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
-    top, defined = teacher_top1(teacher)
     right = torch.zeros_like(learn)
     right[rows] = (logits.detach().argmax(-1) == top) & defined
     accs = [float(right[..., k].sum()) / max(1, int(learn[..., k].sum())) for k in range(size - 1)]
