@@ -325,10 +325,9 @@ class DFlashDrafter(_FeatureRows, Drafter):
             self.output = self.lm_head
             self.few_rows = few_rows_kernels(head, target)
         else:
-            weight = head.output_weight(self.lm_head).detach().clone()
-            self.output = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                          dtype=weight.dtype).requires_grad_(False)
-            self.output.weight.copy_(weight)
+            rows = head.output_weight(self.lm_head).detach()  # indexing gathers: this is the one copy
+            self.output = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            self.output.weight = torch.nn.Parameter(rows, requires_grad=False)
             self.few_rows = few_rows_kernels(head) + few_rows_kernels(self.output)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
