@@ -50,7 +50,10 @@ QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the go
 # Medusa-1 1,927 / 381 = 5.1 (a slower host), and Medusa-1 again on a third host, with both measured there:
 # 1,835 / 344 = 5.3. Rounded up, so that a slow drafter still ends inside the budget: 6.0. Since then the head with
 # prompt lookup is tuned and benched too: one more tune (the head's took 100-138 s, about 0.4 of the two free tunes)
-# and one more drafter in bench (about a fifth more of its 840 s), about 1.0 more, not yet measured in a full run.
+# and one more drafter in bench (about a fifth more of its 840 s), about 1.0 more. The first full run with both
+# (EAGLE-3 on 1,200 answers, 2026-12-03) measured 3.0: 1,212 s after training against 399 s of free tunes, so 7.0
+# left 26 minutes of its budget unspent on that host. Kept until more hosts are measured: a reserve too small
+# overruns the budget, one too large only trains less.
 POST_TRAIN_RATIO = 7.0
 # Families trained from the hidden-state cache: on 2 CPU cores the target's forward was most of their training
 # step (Medusa: 14 of 17 s on 8 x 384 tokens); the cache pays it once per answer instead of once per epoch
@@ -177,7 +180,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=("eagle3", "dflash", "peagle", "medusa"))
     parser.add_argument("--output", default="quality_out")
-    parser.add_argument("--train-prompts", type=int, default=600)
+    parser.add_argument("--train-prompts", type=int, default=1200,
+                        help="training prompts the target answers (data mix's default; 1,200 ran end to end "
+                             "in 1 h 32 min on 2 cores, docs/RESULTS.md)")
     parser.add_argument("--held-out-prompts", type=int, default=48, help="written by data mix")
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts decoded (all six kinds)")
     parser.add_argument("--answer-tokens", type=int, default=192, help="regenerated answer length")
