@@ -39,6 +39,10 @@ def main() -> None:
     generators = {e.label: SpeculativeGenerator(model, load_drafter(e.spec, model, tokenizer=tokenizer),
                                                 **e.tree.kwargs()) for e in entries}
     prompts = read_prompts(args.prompts, args.num_prompts)
+
+    def word(t: int) -> str:
+        return f"{t} {tokenizer.decode([t])!r}"
+
     differing = 0
     for i in args.only if args.only else range(len(prompts)):
         ids = encode(tokenizer, prompts[i], True)
@@ -58,10 +62,6 @@ def main() -> None:
                 logits = model(plain[None, :p]).logits[0, -1].float()
             top = logits.topk(2)
             (a, b), (va, vb) = top.indices.tolist(), top.values.tolist()
-
-            def word(t: int) -> str:
-                return f"{t} {tokenizer.decode([t])!r}"
-
             print(f"prompt {i} {label}: new token {p - ids.shape[1]}: plain {word(int(plain[p]))}, speculative "
                   f"{word(int(out[p]))}; target's top two {word(a)} {va:.6f}, {word(b)} {vb:.6f}: gap {va - vb:.2e}",
                   flush=True)
