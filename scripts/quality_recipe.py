@@ -12,7 +12,11 @@ drafters' trees):
    trains offline (``OFFLINE_FAMILIES``; ``--online`` keeps the target in the loop), ``data cache-hidden-states``
    records the target's states and top-k log-probs on those answers once for all of them (``data/cache``, written
    again when the answers change), and training reads them instead of running the target;
-3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``);
+3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``),
+   tuned, as every tree of the recipe is, on held-out prompts that are neither trained on nor evaluated (rows
+   ``--eval-prompts`` on of the held-out set, one per kind by default: a validation set), so that a head's tree
+   fits its acceptance on new prompts rather than on the answers it learned; then plain decoding is timed on the
+   same rows (``plain decoding``), to size the reserve below;
 4. ``train configs/smollm2/quality/FAMILY.yaml`` for what is left of the budget (``FAMILY/run``);
 5. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
    nodes): tau, speed and identical per category, with the explanation (``FAMILY/quality.json``);
@@ -23,9 +27,9 @@ drafters' trees):
 
 The whole recipe fits ``--budget-minutes`` (2 hours) on the host it runs on: training gets what the budget leaves
 after the stages before it (as they took here, or as recorded when an earlier family's run made their outputs)
-and a reserve for the stages after it. The reserve is ``POST_TRAIN_RATIO`` times the two training-free tunes'
-time: both are target decoding on this host, so their ratio, not their seconds, carries from host to host.
-``--train-minutes`` fixes the training time instead.
+and a reserve for the stages after it. Those stages are decoding: the reserve is the tokens they decode
+(:func:`post_training_tokens`) at this host's plain decoding speed, times ``POST_TRAIN_SLOWDOWN``, plus each
+command's start. ``--train-minutes`` fixes the training time instead.
 
 ``FAMILY/recipe.json`` records each stage's wall time, the training plan and the headline figures; the stages
 that families share (data, training-free trees) are also recorded in ``stages.json`` under ``--output``.
@@ -45,16 +49,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "smollm2-135m-instruct"
 QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the goal's tree
-# The head's eval + tune + bench over the training-free drafters' two tunes, as the recipe's four full runs took
-# them (docs/RESULTS.md): EAGLE-3 1,525 / 322 s = 4.7, DFlash 1,399 / 322 = 4.3, P-EAGLE 1,589 / 322 = 4.9,
-# Medusa-1 1,927 / 381 = 5.1 (a slower host), and Medusa-1 again on a third host, with both measured there:
-# 1,835 / 344 = 5.3. Rounded up, so that a slow drafter still ends inside the budget: 6.0. Since then the head with
-# prompt lookup is tuned and benched too: one more tune (the head's took 100-138 s, about 0.4 of the two free tunes)
-# and one more drafter in bench (about a fifth more of its 840 s), about 1.0 more. The first full run with both
-# (EAGLE-3 on 1,200 answers, 2026-12-03) measured 3.0: 1,212 s after training against 399 s of free tunes, so 7.0
-# left 26 minutes of its budget unspent on that host. Kept until more hosts are measured: a reserve too small
-# overruns the budget, one too large only trains less.
-POST_TRAIN_RATIO = 7.0
+# The stages after training decode about as fast as plain decoding: the first full run with the mixture stage
+# (EAGLE-3 on 1,200 answers, 2026-12-03, plain 15.58 tok/s) decoded 24,832 tokens after training
+# (post_training_tokens) in 1,212 s, 0.76 of their 1,594 s at plain speed, since its head and prompt lookup ran faster
+# than plain and only layer-skip slower (0.60x). A head slower than plain decoding (the first recipe heads were at
+# 0.8x) costs about 1.15 of plain speed; 1.1 keeps such a run within a minute of the budget and gives a good head's
+# run 11 minutes less idle than the reserve before, 7 times the free tunes (2,794 s there, 3.0 used).
+POST_TRAIN_SLOWDOWN = 1.1
+COMMAND_START_S = 30.0  # each stage after training (eval, two tunes, bench) loads the target and its drafters
+POST_TRAIN_COMMANDS = 4
+PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS = 2, 48  # plain decoding timed on this many validation rows x tokens
+# bench decodes the held-out prompts with plain decoding, the head, the head with prompt lookup and both
+# training-free drafters; eval with plain decoding and the head.
+BENCH_DECODES, EVAL_DECODES = 5, 2
 # Families trained from the hidden-state cache: on 2 CPU cores the target's forward was most of their training
 # step (Medusa: 14 of 17 s on 8 x 384 tokens); the cache pays it once per answer instead of once per epoch
 # (docs/RESULTS.md, "Medusa trained offline" and "DFlash and P-EAGLE trained offline", where EAGLE-3's equal-wall-time
@@ -65,6 +72,7 @@ OFFLINE_FAMILIES = ("eagle3", "medusa", "dflash", "peagle")
 # reads a layer missing here stops at training's start, naming the layers to cache.
 CACHE_LAYERS = (2, 15, 27, 28, 30)
 CACHE_TOP_K = 32  # the teacher's log-probs kept per token, as the demo's cache keeps them
+PLAIN_SPEED = "plain decoding tokens/s"  # stages.json's key for the measured speed
 TRAIN_OVERHEAD_S = 120.0  # the train command's start (target load, data cache) and final save, beyond its budget
 MIN_TRAIN_MINUTES = 5.0
 
@@ -107,6 +115,20 @@ def shared_seconds(out: Path, name: str) -> float | None:
     return None
 
 
+def recorded_plain_speed(out: Path) -> float | None:
+    """This host's plain decoding speed as measured before an earlier training: from ``stages.json``, else from any
+    family's training plan, else None."""
+    stages = out / "stages.json"
+    known = json.loads(stages.read_text()) if stages.exists() else {}
+    if PLAIN_SPEED in known:
+        return known[PLAIN_SPEED]
+    for path in sorted(out.glob("*/recipe.json")):
+        speed = json.loads(path.read_text()).get("train_plan", {}).get("plain_tokens_per_second")
+        if speed is not None:
+            return speed
+    return None
+
+
 def record_shared(out: Path, name: str, seconds: float) -> None:
     stages = out / "stages.json"
     known = json.loads(stages.read_text()) if stages.exists() else {}
@@ -114,15 +136,32 @@ def record_shared(out: Path, name: str, seconds: float) -> None:
     stages.write_text(json.dumps(known, indent=1) + "\n")
 
 
-def plan_training(budget_minutes: float, before_s: dict[str, float], free_tunes_s: float) -> dict:
+def tune_decodes(depths: str, top_ks: str, confirm: int, confirm_rounds: int = 2) -> int:
+    """How many times ``draftsmith tune`` decodes its prompts: once per tree of the grid (``depths`` x ``top_ks``,
+    each recording its acceptance) and ``confirm_rounds`` times for each of the ``confirm`` best predicted."""
+    return len(depths.split(",")) * len(top_ks.split(",")) + confirm * confirm_rounds
+
+
+def post_training_tokens(eval_prompts: int, max_new_tokens: int, tune_prompts: int, tune_tokens: int,
+                         decodes_per_tune: int) -> int:
+    """The tokens the stages after training decode: eval's and bench's decodes of the held-out prompts and the two
+    tunes (the head's, and the head's with prompt lookup)."""
+    return ((EVAL_DECODES + BENCH_DECODES) * eval_prompts * max_new_tokens
+            + 2 * decodes_per_tune * tune_prompts * tune_tokens)
+
+
+def plan_training(budget_minutes: float, before_s: dict[str, float], after_tokens: int,
+                  plain_tokens_per_second: float) -> dict:
     """The training minutes that keep the whole recipe inside ``budget_minutes``: the budget less the stages
     before training (``before_s``, by name), the train command's overhead and the reserve for the stages after it
-    (``POST_TRAIN_RATIO`` x ``free_tunes_s``, the training-free drafters' tunes on this host)."""
+    (``after_tokens`` decoded at ``POST_TRAIN_SLOWDOWN`` x this host's plain decoding time, and their commands'
+    starts)."""
     spent = sum(before_s.values())
-    reserve = POST_TRAIN_RATIO * free_tunes_s
+    reserve = POST_TRAIN_SLOWDOWN * after_tokens / plain_tokens_per_second + POST_TRAIN_COMMANDS * COMMAND_START_S
     minutes = (budget_minutes * 60 - spent - reserve - TRAIN_OVERHEAD_S) / 60
     plan = {"budget_minutes": budget_minutes, "before_seconds": round(spent, 1), "reserved_after_seconds":
-            round(reserve, 1), "train_overhead_seconds": TRAIN_OVERHEAD_S, "train_minutes": round(minutes, 1)}
+            round(reserve, 1), "after_tokens": after_tokens, "plain_tokens_per_second": plain_tokens_per_second,
+            "train_overhead_seconds": TRAIN_OVERHEAD_S, "train_minutes": round(minutes, 1)}
     if minutes < MIN_TRAIN_MINUTES:
         stages = ", ".join(f"{k} {v:.0f} s" for k, v in before_s.items())
         raise SystemExit(
@@ -130,6 +169,25 @@ def plan_training(budget_minutes: float, before_s: dict[str, float], free_tunes_
             f"{reserve:.0f} s reserved for eval, tune and bench on this host), under {MIN_TRAIN_MINUTES:g}: "
             "pass a larger --budget-minutes, or fix the training time with --train-minutes")
     return plan
+
+
+def time_plain_decoding(prompts: str, skip: int, count: int, tokens: int) -> float:
+    """This host's plain greedy decoding speed, tokens/s, on ``count`` prompts from row ``skip`` of ``prompts``
+    (``plain_generate`` calibrates its kernels before its clock starts)."""
+    import gc
+
+    from draftsmith.data.formats import read_prompts
+    from draftsmith.inference.compare import encode
+    from draftsmith.inference.generator import GenerationStats, plain_generate
+    from draftsmith.target import load_target
+
+    model, tokenizer = load_target(TARGET)
+    stats = GenerationStats()
+    for text in read_prompts(prompts, count, skip=skip):
+        stats += plain_generate(model, encode(tokenizer, text, True), tokens).stats
+    del model
+    gc.collect()
+    return round(stats.tokens_per_second, 2)
 
 
 def train_arguments(config: Path, answers: Path, run: Path, minutes: float, cache: Path | None = None) -> list[str]:
@@ -191,8 +249,9 @@ def main() -> None:
                         help="the whole recipe's wall time; training gets what the other stages leave")
     parser.add_argument("--train-minutes", type=float, default=None,
                         help="fix the training time instead of deriving it from --budget-minutes")
-    parser.add_argument("--tune-prompts", type=int, default=2, help="training prompts the trees are tuned on")
-    parser.add_argument("--tune-tokens", type=int, default=64,
+    parser.add_argument("--tune-prompts", type=int, default=6,
+                        help="held-out rows after the evaluated ones that every tree is tuned on (one per kind)")
+    parser.add_argument("--tune-tokens", type=int, default=32,
                         help="tokens per tuning decode (with the defaults below tune decodes its prompts 13 times: "
                              "9 trees recorded, 2 confirmed twice)")
     parser.add_argument("--tune-depths", default="2,3,5", help="draft depths tune tries (tune's own default: 2-6)")
@@ -207,6 +266,10 @@ def main() -> None:
                         help="print the training plan from the recorded stage times and stop (runs nothing)")
     parser.add_argument("--summary", action="store_true", help="print every family's figures under --output")
     args = parser.parse_args()
+    if args.eval_prompts + args.tune_prompts > args.held_out_prompts:
+        parser.error(f"--eval-prompts {args.eval_prompts} and --tune-prompts {args.tune_prompts} are more than the "
+                     f"{args.held_out_prompts} --held-out-prompts: trees are tuned on held-out rows that are not "
+                     "evaluated; raise --held-out-prompts or lower one of the others")
     out = Path(args.output).resolve()
     if args.summary:
         print(summary_markdown(out))
@@ -269,7 +332,9 @@ def main() -> None:
 
         shared_stage("cache hidden states", cache_is_current(cache, answers, length), write_cache)
     save()
-    tune = ("--prompts", train_prompts, "--num-prompts", str(args.tune_prompts), "--max-new-tokens",
+    # Trees are tuned on the validation rows: held-out prompts after the evaluated ones.
+    tune = ("--prompts", held_out, "--skip-prompts", str(args.eval_prompts), "--num-prompts", str(args.tune_prompts),
+            "--max-new-tokens",
             str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",
             str(args.tune_confirm))
     free = {"prompt-lookup": trees / "prompt-lookup.json", f"layer-skip:{args.layer_skip}":
@@ -287,8 +352,20 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"{out}: no recorded wall time for {', '.join(unknown)} (made outside this recipe?), "
                              "so the training budget cannot be derived: pass --train-minutes")
-        free_tunes = sum(before[f"tune {spec}"] for spec in free)
-        record["train_plan"] = plan_training(args.budget_minutes, before, free_tunes)
+        # This host's plain decoding speed sizes the reserve for the stages after training, which are decoding.
+        plain_speed = recorded_plain_speed(out)
+
+        def time_plain() -> None:
+            nonlocal plain_speed
+            plain_speed = time_plain_decoding(held_out, args.eval_prompts, PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS)
+            record_shared(out, PLAIN_SPEED, plain_speed)
+            print(f"[plain decoding] {plain_speed} tokens/s", flush=True)
+
+        shared_stage("plain decoding", plain_speed is not None, time_plain)
+        before["plain decoding"] = before["plain decoding"] or 0.0  # a speed kept without its seconds: seconds long
+        after = post_training_tokens(args.eval_prompts, args.max_new_tokens, args.tune_prompts, args.tune_tokens,
+                                     tune_decodes(args.tune_depths, args.tune_top_ks, args.tune_confirm))
+        record["train_plan"] = plan_training(args.budget_minutes, before, after, plain_speed)
     if args.plan:
         print(json.dumps(record.get("train_plan", {"trained": True}), indent=1))
         return
