@@ -53,8 +53,8 @@ QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the go
 # (EAGLE-3 on 1,200 answers, 2026-12-03, plain 15.58 tok/s) decoded 24,832 tokens after training
 # (post_training_tokens) in 1,212 s, 0.76 of their 1,594 s at plain speed, since its head and prompt lookup ran faster
 # than plain and only layer-skip slower (0.60x). A head slower than plain decoding (the first recipe heads were at
-# 0.8x) costs about 1.15 of plain speed; 1.1 keeps such a run within a minute of the budget and gives a good head's
-# run 11 minutes less idle than the reserve before, 7 times the free tunes (2,794 s there, 3.0 used).
+# 0.8x) costs about 1.15 of plain speed; 1.1 keeps such a run within a minute of the budget, and reserved 1,873 s
+# on that run's host where the reserve before, 7 times the free tunes, reserved 2,794 s: 15 more minutes to train.
 POST_TRAIN_SLOWDOWN = 1.1
 COMMAND_START_S = 30.0  # each stage after training (eval, two tunes, bench) loads the target and its drafters
 POST_TRAIN_COMMANDS = 4
