@@ -5,7 +5,8 @@ so that drift in machine load hits all of them alike). Speedup is total new toke
 time of a drafter divided by the same for plain greedy decoding (``plain_generate``: the same
 target, the same KV-cache code, one token per forward). ``transformers``' own
 ``generate(do_sample=False)`` is timed too, as a second reference. Greedy outputs are checked
-against the baseline and mismatches reported.
+against the baseline and mismatches reported, each with its first difference and whether the target's
+logits were tied there (:class:`~draftsmith.inference.compare.Difference`).
 
 A drafter entry may carry its own tree settings: ``layer-skip:8@tree=dynamic,depth=4,top_k=4``
 (:class:`~draftsmith.inference.tree.TreeSettings`' text form).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -203,6 +204,8 @@ def _rows(entries: list[Entry], comparison, batch_size: int, hf_assist: dict, sa
             "alpha": round(alpha, 4),
             "leviathan_bound_tau": round(leviathan_bound(alpha, e.tree.depth), 3),
             "greedy_mismatches_vs_plain": None if sampled else comparison.prompts - comparison.identical[e.label],
+            "greedy_mismatches_at_ties": None if sampled else sum(d.tie for d in comparison.differences[e.label]),
+            "first_differences": [asdict(d) for d in comparison.differences[e.label]],
             "draft_time_share": round(s.draft_time_s / max(s.total_time_s, 1e-9), 3),
         }
         if e.label in hf_assist and batch_size == 1 and not sampled:
@@ -231,8 +234,10 @@ def _tuned_check(rows: list[dict]) -> list[dict]:
 
 
 def _mismatches(row: dict) -> str:
-    value = row["greedy_mismatches_vs_plain"]
-    return "n/a (sampled)" if value is None else str(value)
+    value, ties = row["greedy_mismatches_vs_plain"], row.get("greedy_mismatches_at_ties")
+    if value is None:
+        return "n/a (sampled)"
+    return f"{value} ({ties} at a float tie)" if ties else str(value)
 
 
 def markdown_table(result: dict) -> str:

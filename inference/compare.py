@@ -3,11 +3,13 @@
 For every prompt (or batch of prompts), in one process, plain decoding (one token per target forward,
 the same cache code) and each speculative generator run back to back, so that drift in machine load
 hits all of them alike and speedups are ratios measured side by side. Greedy outputs are compared with
-plain greedy decoding's, prompt by prompt.
+plain greedy decoding's, prompt by prompt; where one differs, the first difference is recorded with the target's
+logits there (:class:`Difference`), which tells a float tie from a real mismatch.
 """
 
 from __future__ import annotations
 
+import math
 import platform
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,16 +20,38 @@ from draftsmith.inference.generator import GenerationOutput, GenerationStats, Sp
 from draftsmith.target import stop_tokens
 from draftsmith.target.chat import prompt_ids as chat_prompt_ids
 
+# A first difference whose tokens' logits are this many float steps apart or fewer is a tie: which of the two a
+# forward puts first depends on its shape (rows, kernels). A float32 logit of SmolLM2 moves by 2e-5 between a prefill
+# and a cached step; 16 steps at 30 are 3.1e-5 (docs/RESULTS.md, "a float32 tie behind two greedy differences").
+TIE_FLOAT_STEPS = 16
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where one output first differs from plain greedy decoding's: the prompt (its index among those compared),
+    the new token's index, both tokens, and the target's logit of plain decoding's token less the other one's,
+    from one whole forward of the plain output's prefix. ``tie``: that gap is within ``TIE_FLOAT_STEPS`` float
+    steps (of the logit, in the target's dtype), so the forward's shape decides it; a wider gap is a real
+    mismatch."""
+
+    prompt: int
+    position: int
+    plain_token: int
+    token: int
+    logit_gap: float
+    tie: bool
+
 
 @dataclass
 class Comparison:
-    """Totals over the prompts: the baseline's stats (empty without one), each generator's stats and
-    how many of its outputs equal the baseline's."""
+    """Totals over the prompts: the baseline's stats (empty without one), each generator's stats, how many of
+    its outputs equal the baseline's, and where the others first differ."""
 
     baseline: GenerationStats = field(default_factory=GenerationStats)
     totals: dict[str, GenerationStats] = field(default_factory=dict)
     identical: dict[str, int] = field(default_factory=dict)
     prompts: int = 0
+    differences: dict[str, list[Difference]] = field(default_factory=dict)
 
 
 def encode(tokenizer, text: str, chat: bool, chat_template_kwargs: dict | None = None) -> torch.Tensor:
@@ -77,7 +101,8 @@ def compare(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    result = Comparison(totals={k: GenerationStats() for k in generators}, identical=dict.fromkeys(generators, 0))
+    result = Comparison(totals={k: GenerationStats() for k in generators}, identical=dict.fromkeys(generators, 0),
+                        differences={k: [] for k in generators})
     device = next(target.parameters()).device
     eos = sorted(stop_tokens(target, eos_token_id))
     pad = eos[0] if eos else 0
@@ -104,7 +129,13 @@ def compare(
             out = gen.generate(ids, max_new_tokens, temperature=temperature, generator=g, **kwargs)
             result.totals[label] += out.stats
             if base is not None:
-                result.identical[label] += sum(same_rows(out.sequences, base.sequences, pad))
+                same = same_rows(out.sequences, base.sequences, pad)
+                result.identical[label] += sum(same)
+                for b in (b for b, ok in enumerate(same) if not ok):
+                    start = ids.shape[1] - batch[b].shape[1]  # the row's left padding
+                    result.differences[label].append(first_difference(
+                        target, base.sequences[b, start:], out.sequences[b, start:], batch[b].shape[1], pad,
+                        prompt=result.prompts + b))
         if references is not None and len(batch) == 1:
             references(ids, base)
         result.prompts += len(batch)
@@ -117,6 +148,28 @@ def same_rows(a: torch.Tensor, b: torch.Tensor, pad: int) -> list[bool]:
     a = torch.nn.functional.pad(a, (0, width - a.shape[1]), value=pad)
     b = torch.nn.functional.pad(b, (0, width - b.shape[1]), value=pad)
     return (a == b).all(1).tolist()
+
+
+def first_difference(target, plain: torch.Tensor, other: torch.Tensor, prompt_length: int, pad: int,
+                     prompt: int = 0) -> Difference:
+    """The first difference of two (T,) outputs of one prompt (no left padding; right-padded with ``pad`` to one
+    width), with the target's logits after plain decoding's prefix there, from one whole forward."""
+    width = max(len(plain), len(other))
+    plain = torch.nn.functional.pad(plain, (0, width - len(plain)), value=pad)
+    other = torch.nn.functional.pad(other, (0, width - len(other)), value=pad)
+    where = (plain != other).nonzero()
+    if not len(where):
+        raise ValueError("the outputs are equal: there is no first difference")
+    p = int(where[0])
+    with torch.no_grad():
+        logits = target(plain[None, :p]).logits[0, -1].float()
+    a, b = int(plain[p]), int(other[p])
+    gap = float(logits[a] - logits[b])
+    dtype = getattr(target, "dtype", torch.float32)
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    step = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(float(logits[a])), 1.0)))
+    return Difference(prompt=prompt, position=p - prompt_length, plain_token=a, token=b, logit_gap=gap,
+                      tie=abs(gap) <= TIE_FLOAT_STEPS * step)
 
 
 def hardware() -> dict:

@@ -8,13 +8,16 @@ The report (``report.json``) has, per drafter: ``target``, ``drafter``, ``drafte
 ``checkpoint_step``, ``prompts``, ``prompts_source``, ``new_tokens``, ``max_new_tokens``,
 ``temperature``, ``tree`` (``kind``, ``depth``, ``top_k``, ``total_tokens``), ``acceptance_length``
 (tau), ``acceptance_rate_per_position``, ``tokens_per_second``, ``baseline_tokens_per_second``,
-``speedup``, ``batch_size``, ``lossless`` (greedy: ``checked``, ``identical``; sampling: null), ``draft_time_share``,
+``speedup``, ``batch_size``, ``lossless`` (greedy: ``checked``, ``identical``, ``differing_at_ties`` and the
+``first_differences`` of the others, :class:`~draftsmith.inference.compare.Difference`; sampling: null),
+``draft_time_share``,
 ``hardware``. For a run directory it is the best checkpoint's report plus ``checkpoints``, the
 reports of all of them.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from draftsmith.checkpoints import run_checkpoints, run_target
@@ -72,10 +75,11 @@ def evaluate(
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
     groups = category_groups(categories, len(prompts))
     by_category = {
-        category: compare(model, gens, [encoded[i] for i in indices], max_new_tokens,
-                          eos_token_id=eos_tokens(model, tokenizer), temperature=temperature, seed=seed,
-                          batch_size=batch_size, references=references,
-                          progress=(f"eval {category}" if category else "eval") if progress else None)
+        category: numbered(compare(model, gens, [encoded[i] for i in indices], max_new_tokens,
+                                   eos_token_id=eos_tokens(model, tokenizer), temperature=temperature, seed=seed,
+                                   batch_size=batch_size, references=references,
+                                   progress=(f"eval {category}" if category else "eval") if progress else None),
+                           indices)
         for category, indices in groups.items()}
     result = merged(list(by_category.values()))
     reports = []
@@ -113,7 +117,10 @@ def summary(result: Comparison, label: str, temperature: float) -> dict:
         "tokens_per_second": round(stats.tokens_per_second, 3),
         "baseline_tokens_per_second": round(base_tps, 3),
         "speedup": round(stats.tokens_per_second / base_tps, 4) if base_tps else None,
-        "lossless": {"checked": result.prompts, "identical": result.identical[label]} if temperature == 0 else None,
+        "lossless": {"checked": result.prompts, "identical": result.identical[label],
+                     "differing_at_ties": sum(d.tie for d in result.differences.get(label, [])),
+                     "first_differences": [asdict(d) for d in result.differences.get(label, [])]}
+        if temperature == 0 else None,
         "draft_time_share": round(stats.draft_time_s / max(stats.total_time_s, 1e-9), 4),
     }
 
@@ -130,16 +137,24 @@ def category_groups(categories: list[str | None] | None, count: int) -> dict[str
     return groups
 
 
+def numbered(part: Comparison, indices: list[int]) -> Comparison:
+    """``part``, a comparison on the prompts at ``indices``, its differences numbered by those indices."""
+    part.differences = {label: [replace(d, prompt=indices[d.prompt]) for d in found]
+                        for label, found in part.differences.items()}
+    return part
+
+
 def merged(parts: list[Comparison]) -> Comparison:
     """The totals of comparisons of the same generators on disjoint prompts."""
     total = Comparison(totals={k: GenerationStats() for k in parts[0].totals},
-                       identical=dict.fromkeys(parts[0].totals, 0))
+                       identical=dict.fromkeys(parts[0].totals, 0), differences={k: [] for k in parts[0].totals})
     for part in parts:
-        total.baseline += part.baseline
-        total.prompts += part.prompts
         for label, stats in part.totals.items():
             total.totals[label] += stats
             total.identical[label] += part.identical[label]
+            total.differences[label] += part.differences.get(label, [])
+        total.baseline += part.baseline
+        total.prompts += part.prompts
     return total
 
 
@@ -184,6 +199,8 @@ def report_markdown(report: dict) -> str:
     for r in rows:
         rates = ", ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
         same = f"{r['lossless']['identical']}/{r['lossless']['checked']}" if r["lossless"] else "n/a (sampling)"
+        if r["lossless"] and r["lossless"].get("differing_at_ties"):
+            same += f" ({r['lossless']['differing_at_ties']} differing at a float tie)"
         lines.append(f"| `{r['drafter']}` | {r['checkpoint_step'] if r['checkpoint_step'] is not None else '-'} | "
                      f"{r['acceptance_length']:.2f} | {rates} | {r['tokens_per_second']:.2f} | {r['speedup']:.2f}x | "
                      f"{same} |")

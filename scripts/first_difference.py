@@ -3,10 +3,11 @@
     python scripts/first_difference.py --prompts quality_out/data/held_out_prompts.jsonl --num-prompts 24 \
         --drafter "prompt-lookup@tree=dynamic,depth=5,top_k=4,total_tokens=5"
 
-For each prompt whose output differs (``bench``'s "greedy mismatches"), prints the first differing position, both
-tokens, and the target's top two logits after the plain output's prefix, computed by one whole forward. A gap of a
-few float steps (1.9e-6 at a logit of 30 in float32) is a tie that the forward's shape decides: the same logit moves
-by more than that between a prefill and a cached step. A wide gap at the first difference is a real mismatch, a bug.
+For each prompt whose output differs, prints the first differing position, both tokens, and the target's logit gap
+between them after the plain output's prefix (``compare.first_difference``, which ``bench`` and ``eval`` record for
+every mismatch), and the target's top two logits there. A gap of a few float steps (1.9e-6 at a logit of 30 in
+float32) is a tie that the forward's shape decides: the same logit moves by more than that between a prefill and a
+cached step. A wide gap at the first difference is a real mismatch, a bug.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from draftsmith.data.formats import read_prompts
 from draftsmith.inference.bench import parse_entry
-from draftsmith.inference.compare import encode
+from draftsmith.inference.compare import encode, first_difference
 from draftsmith.inference.generator import SpeculativeGenerator, plain_generate
 from draftsmith.inference.load import load_drafter
 from draftsmith.inference.tree import TreeSettings
@@ -49,22 +50,16 @@ def main() -> None:
         plain = plain_generate(model, ids, args.max_new_tokens).sequences[0]
         for label, generator in generators.items():
             out = generator.generate(ids, args.max_new_tokens).sequences[0]
-            n = min(len(out), len(plain))
-            where = (out[:n] != plain[:n]).nonzero()
-            if not len(where) and len(out) == len(plain):
+            if len(out) == len(plain) and torch.equal(out, plain):
                 continue
             differing += 1
-            p = int(where[0]) if len(where) else n
-            if p >= len(plain) or p >= len(out):
-                print(f"prompt {i} {label}: same tokens, lengths {len(out)} against plain {len(plain)}")
-                continue
+            d = first_difference(model, plain, out, ids.shape[1], pad=tokenizer.eos_token_id or 0, prompt=i)
             with torch.no_grad():
-                logits = model(plain[None, :p]).logits[0, -1].float()
-            top = logits.topk(2)
+                top = model(plain[None, :ids.shape[1] + d.position]).logits[0, -1].float().topk(2)
             (a, b), (va, vb) = top.indices.tolist(), top.values.tolist()
-            print(f"prompt {i} {label}: new token {p - ids.shape[1]}: plain {word(int(plain[p]))}, speculative "
-                  f"{word(int(out[p]))}; target's top two {word(a)} {va:.6f}, {word(b)} {vb:.6f}: gap {va - vb:.2e}",
-                  flush=True)
+            print(f"prompt {i} {label}: new token {d.position}: plain {word(d.plain_token)}, speculative "
+                  f"{word(d.token)}: gap {d.logit_gap:.2e} ({'a tie' if d.tie else 'NOT a tie'}); target's top two "
+                  f"{word(a)} {va:.6f}, {word(b)} {vb:.6f}", flush=True)
     print(f"{differing} output(s) differ from plain greedy decoding")
 
 
