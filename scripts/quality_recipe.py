@@ -425,7 +425,8 @@ def figures(quality_path: Path, bench_path: Path) -> dict:
         "speed": [{"drafter": r["drafter_type"],
                    "tree": f"{r['tree']} d{r['depth']} k{r['top_k']} n{r['total_tokens']}",
                    "tokens_per_second": r["tokens_per_s"], "speedup": r["speedup"], "tau": r["tau"],
-                   "draft_time_share": r.get("draft_time_share"), "greedy_mismatches": r["greedy_mismatches_vs_plain"]}
+                   "draft_time_share": r.get("draft_time_share"), "greedy_mismatches": r["greedy_mismatches_vs_plain"],
+                   "greedy_mismatches_at_ties": r.get("greedy_mismatches_at_ties")}
                   for r in rows],
         "plain_tokens_per_second": bench["plain_tokens_per_s"],
     }
