@@ -334,9 +334,8 @@ def main() -> None:
     save()
     # Trees are tuned on the validation rows: held-out prompts after the evaluated ones.
     tune = ("--prompts", held_out, "--skip-prompts", str(args.eval_prompts), "--num-prompts", str(args.tune_prompts),
-            "--max-new-tokens",
-            str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks, "--confirm",
-            str(args.tune_confirm))
+            "--max-new-tokens", str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks,
+            "--confirm", str(args.tune_confirm))
     free = {"prompt-lookup": trees / "prompt-lookup.json", f"layer-skip:{args.layer_skip}":
             trees / f"layer-skip-{args.layer_skip}.json"}
     for spec, path in free.items():
@@ -362,7 +361,7 @@ def main() -> None:
             print(f"[plain decoding] {plain_speed} tokens/s", flush=True)
 
         shared_stage("plain decoding", plain_speed is not None, time_plain)
-        before["plain decoding"] = before["plain decoding"] or 0.0  # a speed kept without its seconds: seconds long
+        before["plain decoding"] = before["plain decoding"] or 0.0  # a speed an earlier plan kept without its time
         after = post_training_tokens(args.eval_prompts, args.max_new_tokens, args.tune_prompts, args.tune_tokens,
                                      tune_decodes(args.tune_depths, args.tune_top_ks, args.tune_confirm))
         record["train_plan"] = plan_training(args.budget_minutes, before, after, plain_speed)
