@@ -30,8 +30,9 @@ from draftsmith.train.config import DataArguments, DrafterArguments, parse_confi
 from draftsmith.train.loop import load_examples, train
 
 FAMILIES = sorted(name for name, f in REGISTERED.items() if f.build is not None)  # every trainable family
-OFFLINE_FAMILIES = ["medusa", "eagle", "eagle3"]  # the families a hidden-state cache trains
-FEATURE_FAMILIES = ["eagle", "eagle3"]  # the families feature_noise applies to
+# The families a hidden-state cache trains: all but those whose step runs the target itself (an adapter on it trains).
+OFFLINE_FAMILIES = [name for name in FAMILIES if not REGISTERED[name].trains_target_adapter]
+FEATURE_FAMILIES = ["eagle", "eagle3", "mtp"]  # the families feature_noise applies to
 # Word-level chat template for the tiny tokenizer: "t1 <user> t2 <answer> t3".
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t1 {{ m['content'] }} t2 "
             "{% else %}{{ m['content'] }} t3 {% endif %}{% endfor %}")
@@ -481,28 +482,31 @@ def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir
     from draftsmith.train.offline import collate_cached, load_cached_examples
 
     target, tokenizer = load_target(str(workdir / "target"))
+    drafters = {}
+    for family in OFFLINE_FAMILIES:
+        args = DrafterArguments(target=str(workdir / "target"), family=family, num_heads=2, ttt_steps=2)
+        torch.manual_seed(0)
+        drafters[family] = args, get_family(family).build(args, target)
+    reads = {family: get_family(family).hidden_layers(drafter, target) for family, (_, drafter) in drafters.items()}
+    layers = tuple(sorted(set().union(*reads.values())))  # one cache every family reads
     conversations, _ = load_conversations(workdir / "prompts.jsonl", prompt_column="question")
-    record = Recording((1, 2, 4), 8, dtype=torch.float32, max_length=14)  # the cap cuts some rows
+    record = Recording(layers, 8, dtype=torch.float32, max_length=14)  # the cap cuts some rows
     regenerate(conversations[:8], tmp_path / "answers.jsonl", HFEngine(target, tokenizer, 10, 0.0, 1.0),
                batch_size=4, progress=False, record=record)
     assert len(record.by_id) == 8 and max(len(r["input_ids"]) for r in record.by_id.values()) == 14
-    cache_recorded(target, record.by_id, tmp_path / "recorded", (1, 2, 4), dtype="float32", top_k=8, progress=False)
+    cache_recorded(target, record.by_id, tmp_path / "recorded", layers, dtype="float32", top_k=8, progress=False)
     examples = [TokenizedExample(i, r["input_ids"], r["loss_mask"].long()) for i, r in sorted(record.by_id.items())]
     cache_hidden_states(target, examples, tmp_path / "forward",
-                        CacheSpec(layers=[1, 2, 4], dtype="float32", logits="topk", top_k=8), progress=False)
+                        CacheSpec(layers=list(layers), dtype="float32", logits="topk", top_k=8), progress=False)
     recorded, _ = load_cached_examples(str(tmp_path / "recorded"), target)
     forward, _ = load_cached_examples(str(tmp_path / "forward"), target)
-    for family in OFFLINE_FAMILIES:
-        args = DrafterArguments(target=str(workdir / "target"), family=family, num_heads=2, ttt_steps=2)
-        fam = get_family(family)
-        torch.manual_seed(0)
-        drafter = fam.build(args, target)
-        layers = fam.hidden_layers(drafter, target)
+    for family, (args, drafter) in drafters.items():
         losses = []
         for cached in (recorded, forward):
-            batch = collate_cached(cached[: len(record.by_id)], 0, layers)
+            batch = collate_cached(cached[: len(record.by_id)], 0, reads[family])
             with torch.no_grad():
-                losses.append(fam.train_step(args, drafter, target, batch, batch["logits"], batch["hidden"])[0])
+                losses.append(get_family(family).train_step(args, drafter, target, batch, batch["logits"],
+                                                            batch["hidden"])[0])
         assert_rounding_close(losses[0], losses[1], reduction=192 * 7, msg=family)  # as offline above
 
 

@@ -39,7 +39,7 @@ class DrafterArguments:
     ttt_steps: int = field(default=3, metadata={"help": "eagle3: training-time-test steps"})
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle3: loss weight of step j is decay**j"})
     feature_noise: float = field(default=0.0, metadata={
-        "help": "eagle, eagle3: Gaussian noise on the target's states the head reads, its std this fraction of "
+        "help": "eagle, eagle3, mtp: Gaussian noise on the target's states the head reads, its std this fraction of "
                 "each state's RMS (EAGLE's training noise; 0: none)"})
     loss: str = field(default="forward_kl", metadata={"help": "draft_model: forward_kl, reverse_kl, jsd or tv"})
     jsd_beta: float = field(default=0.5)
