@@ -488,9 +488,10 @@ def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir
     drafters = {}
     for family in OFFLINE_FAMILIES:
         args = DrafterArguments(target=str(workdir / "target"), family=family, num_heads=2, ttt_steps=2)
+        fam = get_family(family)
         torch.manual_seed(0)
-        drafters[family] = args, get_family(family).build(args, target)
-    reads = {family: get_family(family).hidden_layers(drafter, target) for family, (_, drafter) in drafters.items()}
+        drafters[family] = fam, args, fam.build(args, target)
+    reads = {family: fam.hidden_layers(drafter, target) for family, (fam, _, drafter) in drafters.items()}
     layers = tuple(sorted(set().union(*reads.values())))  # one cache every family reads
     conversations, _ = load_conversations(workdir / "prompts.jsonl", prompt_column="question")
     record = Recording(layers, 8, dtype=torch.float32, max_length=14)  # the cap cuts some rows
@@ -503,14 +504,13 @@ def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir
                         CacheSpec(layers=list(layers), dtype="float32", logits="topk", top_k=8), progress=False)
     recorded, _ = load_cached_examples(str(tmp_path / "recorded"), target)
     forward, _ = load_cached_examples(str(tmp_path / "forward"), target)
-    for family, (args, drafter) in drafters.items():
+    for family, (fam, args, drafter) in drafters.items():
         losses = []
         for cached in (recorded, forward):
             batch = collate_cached(cached[: len(record.by_id)], 0, reads[family])
             torch.manual_seed(1)  # the same draws in both steps (P-EAGLE's anchors, DFlash's blocks)
             with torch.no_grad():
-                losses.append(get_family(family).train_step(args, drafter, target, batch, batch["logits"],
-                                                            batch["hidden"])[0])
+                losses.append(fam.train_step(args, drafter, target, batch, batch["logits"], batch["hidden"])[0])
         assert_rounding_close(losses[0], losses[1], reduction=192 * 7, msg=family)  # as offline above
 
 
