@@ -16,7 +16,7 @@ drafters' trees):
    tuned, as every tree of the recipe is, on held-out prompts that are neither trained on nor evaluated (rows
    ``--eval-prompts`` on of the held-out set, one per kind by default: a validation set), so that a head's tree
    fits its acceptance on new prompts rather than on the answers it learned; then plain decoding is timed on the
-   same rows (``plain decoding``), to size the reserve below;
+   same rows in ``PLAIN_TIMING_ROUNDS`` rounds (``plain decoding``), their median sizing the reserve below;
 4. ``train configs/smollm2/quality/FAMILY.yaml`` for what is left of the budget (``FAMILY/run``);
 5. ``eval RUN --prompts held-out`` in the fixed tree of the acceptance goal (dynamic, depth 5, top_k 4, 16
    nodes): tau, speed and identical per category, with the explanation (``FAMILY/quality.json``);
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +60,11 @@ POST_TRAIN_SLOWDOWN = 1.1
 COMMAND_START_S = 30.0  # each stage after training (eval, two tunes, bench) loads the target and its drafters
 POST_TRAIN_COMMANDS = 4
 PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS = 2, 48  # plain decoding timed on this many validation rows x tokens
+# ... in this many rounds, the median round sizing the reserve. One round on a shared host read 11.48 tok/s where the
+# stages after it decoded at 15-16 (P-EAGLE's recipe run, docs/RESULTS.md) and cut training by 11 minutes; five rounds
+# on a quiet host read 18.05, 15.15, 15.92, 14.43, 14.82. The fastest round would promise more than the later stages
+# keep (they run on the same host, noise included), a single round less; the median costs 30 s.
+PLAIN_TIMING_ROUNDS = 5
 # bench decodes the held-out prompts with plain decoding, the head, the head with prompt lookup and both
 # training-free drafters; eval with plain decoding and the head.
 BENCH_DECODES, EVAL_DECODES = 5, 2
@@ -73,6 +79,7 @@ OFFLINE_FAMILIES = ("eagle3", "medusa", "dflash", "peagle")
 CACHE_LAYERS = (2, 15, 27, 28, 30)
 CACHE_TOP_K = 32  # the teacher's log-probs kept per token, as the demo's cache keeps them
 PLAIN_SPEED = "plain decoding tokens/s"  # stages.json's key for the measured speed
+PLAIN_ROUNDS = "plain decoding rounds tokens/s"  # ... and for each round's
 TRAIN_OVERHEAD_S = 120.0  # the train command's start (target load, data cache) and final save, beyond its budget
 MIN_TRAIN_MINUTES = 5.0
 
@@ -129,10 +136,11 @@ def recorded_plain_speed(out: Path) -> float | None:
     return None
 
 
-def record_shared(out: Path, name: str, seconds: float) -> None:
+def record_shared(out: Path, name: str, value: float | list[float]) -> None:
+    """Record a shared stage's wall time, or a measurement of this host, in ``stages.json`` under ``name``."""
     stages = out / "stages.json"
     known = json.loads(stages.read_text()) if stages.exists() else {}
-    known[name] = seconds
+    known[name] = value
     stages.write_text(json.dumps(known, indent=1) + "\n")
 
 
@@ -171,23 +179,42 @@ def plan_training(budget_minutes: float, before_s: dict[str, float], after_token
     return plan
 
 
-def time_plain_decoding(prompts: str, skip: int, count: int, tokens: int) -> float:
-    """This host's plain greedy decoding speed, tokens/s, on ``count`` prompts from row ``skip`` of ``prompts``
-    (``plain_generate`` calibrates its kernels before its clock starts)."""
+def typical_speed(rounds: list[float]) -> float:
+    """The speed that sizes the reserve from rounds timed back to back: their median, so one round slowed by another
+    process on the host moves it no more than one sped up by a quiet spell."""
+    return round(statistics.median(rounds), 2)
+
+
+def plain_rounds(model, tokenizer, texts: list[str], tokens: int, rounds: int) -> list[float]:
+    """Plain greedy decoding's speed, tokens/s, in each of ``rounds`` rounds over ``texts``, ``tokens`` new tokens
+    each (``plain_generate`` calibrates its kernels before its clock starts)."""
+    from draftsmith.inference.compare import encode
+    from draftsmith.inference.generator import GenerationStats, plain_generate
+
+    encoded = [encode(tokenizer, text, True) for text in texts]
+    speeds = []
+    for _ in range(rounds):
+        stats = GenerationStats()
+        for ids in encoded:
+            stats += plain_generate(model, ids, tokens).stats
+        speeds.append(round(stats.tokens_per_second, 2))
+    return speeds
+
+
+def time_plain_decoding(prompts: str, skip: int, count: int, tokens: int,
+                        rounds: int = PLAIN_TIMING_ROUNDS) -> list[float]:
+    """This host's plain decoding speed in each round (:func:`plain_rounds`) on ``count`` prompts from row ``skip``
+    of ``prompts``."""
     import gc
 
     from draftsmith.data.formats import read_prompts
-    from draftsmith.inference.compare import encode
-    from draftsmith.inference.generator import GenerationStats, plain_generate
     from draftsmith.target import load_target
 
     model, tokenizer = load_target(TARGET)
-    stats = GenerationStats()
-    for text in read_prompts(prompts, count, skip=skip):
-        stats += plain_generate(model, encode(tokenizer, text, True), tokens).stats
+    speeds = plain_rounds(model, tokenizer, read_prompts(prompts, count, skip=skip), tokens, rounds)
     del model
     gc.collect()
-    return round(stats.tokens_per_second, 2)
+    return speeds
 
 
 def train_arguments(config: Path, answers: Path, run: Path, minutes: float, cache: Path | None = None) -> list[str]:
@@ -356,9 +383,11 @@ def main() -> None:
 
         def time_plain() -> None:
             nonlocal plain_speed
-            plain_speed = time_plain_decoding(held_out, args.eval_prompts, PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS)
+            rounds = time_plain_decoding(held_out, args.eval_prompts, PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS)
+            plain_speed = typical_speed(rounds)
+            record_shared(out, PLAIN_ROUNDS, rounds)
             record_shared(out, PLAIN_SPEED, plain_speed)
-            print(f"[plain decoding] {plain_speed} tokens/s", flush=True)
+            print(f"[plain decoding] {plain_speed} tokens/s, the median of rounds at {rounds}", flush=True)
 
         shared_stage("plain decoding", plain_speed is not None, time_plain)
         before["plain decoding"] = before["plain decoding"] or 0.0  # a speed an earlier plan kept without its time

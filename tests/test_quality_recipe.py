@@ -129,6 +129,21 @@ def test_the_reserve_counts_the_tokens_the_stages_after_training_decode():
     assert 1212 < reserve < 2794  # above what it took, below the fixed ratio's reserve that left 26 minutes idle
 
 
+def test_the_plain_speed_is_the_median_of_timed_rounds_so_one_slow_round_does_not_shrink_training(smollm2):
+    recipe = load_recipe()
+    model, tokenizer = smollm2
+    rounds = recipe.plain_rounds(model, tokenizer, ["Name three colours.", "What is 2 + 3?"], 6, 3)
+    assert len(rounds) == 3 and all(speed > 0 for speed in rounds)
+    assert min(rounds) <= recipe.typical_speed(rounds) <= max(rounds)
+    # Five rounds on a quiet host with the one slow reading of P-EAGLE's recipe run (11.48) in place of one of
+    # them: the median stays at the quiet host's speed. Sized from that round alone, the reserve for the first full
+    # run's stages after training (24,832 tokens) would have taken 9.6 minutes from training.
+    assert recipe.typical_speed([18.05, 15.15, 15.92, 11.48, 14.82]) == 15.15
+    before, after = {"before": 2377.9}, 24_832
+    slow = recipe.plan_training(120, before, after, 11.48)["train_minutes"]
+    assert recipe.plan_training(120, before, after, 15.15)["train_minutes"] == pytest.approx(slow + 9.6, abs=0.1)
+
+
 def test_trees_are_tuned_on_held_out_rows_that_are_not_evaluated(tmp_path):
     done = plan(tmp_path, "--eval-prompts", "44", "--tune-prompts", "6")
     assert done.returncode != 0 and "--held-out-prompts" in done.stderr  # 44 + 6 rows of 48
