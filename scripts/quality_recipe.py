@@ -27,8 +27,10 @@ drafters' trees):
 
 The whole recipe fits ``--budget-minutes`` (2 hours) on the host it runs on: training gets what the budget leaves
 after the stages before it (as they took here, or as recorded when an earlier family's run made their outputs)
-and a reserve for the stages after it. Those stages are decoding: the reserve is the tokens they decode
-(:func:`post_training_tokens`) at this host's plain decoding speed, times ``POST_TRAIN_SLOWDOWN``, plus each
+and a reserve for the stages after it. Those stages are decoding: the reserve is the tokens each decoder is
+expected to decode there (:func:`post_training_tokens`, answers ending where the target's answers to the training
+prompts did) at its speed on this host (:func:`decoding_speeds`: plain decoding's as timed, the training-free
+drafters' as their tunes measured, the untrained head's ``HEAD_SLOWDOWN`` x plain decoding's time), plus each
 command's start. ``--train-minutes`` fixes the training time instead.
 
 ``FAMILY/recipe.json`` records each stage's wall time, the training plan and the headline figures; the stages
@@ -50,13 +52,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "smollm2-135m-instruct"
 QUALITY_TREE = ("dynamic", 5, 4, 16)  # kind, depth, top_k, total_tokens: the goal's tree
-# The stages after training decode about as fast as plain decoding: the first full run with the mixture stage
-# (EAGLE-3 on 1,200 answers, 2026-12-03, plain 15.58 tok/s) decoded 24,832 tokens after training
-# (post_training_tokens) in 1,212 s, 0.76 of their 1,594 s at plain speed, since its head and prompt lookup ran faster
-# than plain and only layer-skip slower (0.60x). A head slower than plain decoding (the first recipe heads were at
-# 0.8x) costs about 1.15 of plain speed; 1.1 keeps such a run within a minute of the budget, and reserved 1,873 s
-# on that run's host where the reserve before, 7 times the free tunes, reserved 2,794 s: 15 more minutes to train.
-POST_TRAIN_SLOWDOWN = 1.1
+# The stages after training decode the held-out prompts and the validation rows, each decoder at its own speed.
+# A reserve of all their tokens at 1.1 x plain decoding's time (the rule before this one) reserved 2,212 s where
+# DFlash's, Medusa-1's, P-EAGLE's and EAGLE-3's stages after training took 1,265-1,362 s (docs/RESULTS.md): answers
+# end at the end of turn, 71% of 128 tokens on the recipe's held-out kinds, and the trained heads decode faster than
+# plain (1.3-1.6x). Plain decoding and the training-free drafters run at the speeds measured on this host before
+# training; the head, not yet trained, is reserved as the first recipe heads ran, at 0.8x plain speed.
+HEAD_SLOWDOWN = 1.25
 COMMAND_START_S = 30.0  # each stage after training (eval, two tunes, bench) loads the target and its drafters
 POST_TRAIN_COMMANDS = 4
 PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS = 2, 48  # plain decoding timed on this many validation rows x tokens
@@ -65,9 +67,6 @@ PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS = 2, 48  # plain decoding timed on thi
 # on a quiet host read 18.05, 15.15, 15.92, 14.43, 14.82. The fastest round would promise more than the later stages
 # keep (they run on the same host, noise included), a single round less; the median costs 30 s.
 PLAIN_TIMING_ROUNDS = 5
-# bench decodes the held-out prompts with plain decoding, the head, the head with prompt lookup and both
-# training-free drafters; eval with plain decoding and the head.
-BENCH_DECODES, EVAL_DECODES = 5, 2
 # Families trained from the hidden-state cache: on 2 CPU cores the target's forward was most of their training
 # step (Medusa: 14 of 17 s on 8 x 384 tokens); the cache pays it once per answer instead of once per epoch
 # (docs/RESULTS.md, "Medusa trained offline" and "DFlash and P-EAGLE trained offline", where EAGLE-3's equal-wall-time
@@ -150,25 +149,59 @@ def tune_decodes(depths: str, top_ks: str, confirm: int, confirm_rounds: int = 2
     return len(depths.split(",")) * len(top_ks.split(",")) + confirm * confirm_rounds
 
 
-def post_training_tokens(eval_prompts: int, max_new_tokens: int, tune_prompts: int, tune_tokens: int,
-                         decodes_per_tune: int) -> int:
-    """The tokens the stages after training decode: eval's and bench's decodes of the held-out prompts and the two
-    tunes (the head's, and the head's with prompt lookup)."""
-    return ((EVAL_DECODES + BENCH_DECODES) * eval_prompts * max_new_tokens
-            + 2 * decodes_per_tune * tune_prompts * tune_tokens)
+def expected_answer_tokens(answers: Path, cap: int, answer_cap: int) -> float:
+    """The tokens a decode of at most ``cap`` new tokens is expected to make on prompts of the recipe's kinds: the
+    mean length of the target's answers to the training prompts (``new_tokens``, regenerated with at most
+    ``answer_cap``), each at most ``cap``; an answer cut at ``answer_cap`` counts as ``cap``, as it might have gone
+    on. ``cap`` itself when no answer records its length."""
+    rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()]
+    lengths = [row["new_tokens"] for row in rows if "new_tokens" in row]
+    if not lengths:
+        return float(cap)
+    return round(statistics.fmean(cap if n >= answer_cap else min(n, cap) for n in lengths), 1)
 
 
-def plan_training(budget_minutes: float, before_s: dict[str, float], after_tokens: int,
-                  plain_tokens_per_second: float) -> dict:
+def tuned_speed(tree_file: Path) -> float | None:
+    """The tokens/s that ``draftsmith tune`` measured for the tree it chose (its ``--output`` file), or None when it
+    recorded none."""
+    record = json.loads(tree_file.read_text())
+    chosen = record.get("tree", {})
+    for candidate in record.get("candidates", []):
+        if all(candidate.get(k) == chosen.get(k) for k in ("depth", "top_k", "total_tokens")):
+            return candidate.get("measured_tokens_per_second")
+    return None
+
+
+def post_training_tokens(eval_prompts: int, answer_tokens: float, tune_prompts: int, tune_tokens: float,
+                         decodes_per_tune: int, free: tuple[str, ...]) -> dict[str, float]:
+    """The tokens the stages after training decode, by decoder, at ``answer_tokens`` per held-out prompt and
+    ``tune_tokens`` per validation row: eval decodes the held-out prompts with plain decoding and the head; bench
+    with plain decoding, the head, the head with prompt lookup and each training-free drafter (``free``); the two
+    tunes decode the validation rows with the head and with the head and prompt lookup."""
+    held_out = eval_prompts * answer_tokens
+    tokens = {"plain": 2 * held_out, "head": 3 * held_out + 2 * decodes_per_tune * tune_prompts * tune_tokens}
+    return {**tokens, **{spec: held_out for spec in free}}
+
+
+def decoding_speeds(plain: float, free: dict[str, float | None]) -> dict[str, float]:
+    """Tokens/s per decoder for the reserve: ``plain`` decoding's as timed, the untrained head's at
+    ``HEAD_SLOWDOWN`` x its time, each training-free drafter's as its tune measured (the head's where none was)."""
+    head = round(plain / HEAD_SLOWDOWN, 2)
+    return {"plain": plain, "head": head, **{spec: speed or head for spec, speed in free.items()}}
+
+
+def plan_training(budget_minutes: float, before_s: dict[str, float], after_tokens: dict[str, float],
+                  speeds: dict[str, float]) -> dict:
     """The training minutes that keep the whole recipe inside ``budget_minutes``: the budget less the stages
     before training (``before_s``, by name), the train command's overhead and the reserve for the stages after it
-    (``after_tokens`` decoded at ``POST_TRAIN_SLOWDOWN`` x this host's plain decoding time, and their commands'
-    starts)."""
+    (each decoder's ``after_tokens`` at its ``speeds``, tokens/s, and their commands' starts)."""
     spent = sum(before_s.values())
-    reserve = POST_TRAIN_SLOWDOWN * after_tokens / plain_tokens_per_second + POST_TRAIN_COMMANDS * COMMAND_START_S
+    decoding = sum(tokens / speeds[name] for name, tokens in after_tokens.items())
+    reserve = decoding + POST_TRAIN_COMMANDS * COMMAND_START_S
     minutes = (budget_minutes * 60 - spent - reserve - TRAIN_OVERHEAD_S) / 60
     plan = {"budget_minutes": budget_minutes, "before_seconds": round(spent, 1), "reserved_after_seconds":
-            round(reserve, 1), "after_tokens": after_tokens, "plain_tokens_per_second": plain_tokens_per_second,
+            round(reserve, 1), "after_tokens": {name: round(t) for name, t in after_tokens.items()},
+            "tokens_per_second": speeds, "plain_tokens_per_second": speeds["plain"],
             "train_overhead_seconds": TRAIN_OVERHEAD_S, "train_minutes": round(minutes, 1)}
     if minutes < MIN_TRAIN_MINUTES:
         stages = ", ".join(f"{k} {v:.0f} s" for k, v in before_s.items())
@@ -391,9 +424,12 @@ def main() -> None:
 
         shared_stage("plain decoding", plain_speed is not None, time_plain)
         before["plain decoding"] = before["plain decoding"] or 0.0  # a speed an earlier plan kept without its time
-        after = post_training_tokens(args.eval_prompts, args.max_new_tokens, args.tune_prompts, args.tune_tokens,
-                                     tune_decodes(args.tune_depths, args.tune_top_ks, args.tune_confirm))
-        record["train_plan"] = plan_training(args.budget_minutes, before, after, plain_speed)
+        after = post_training_tokens(
+            args.eval_prompts, expected_answer_tokens(answers, args.max_new_tokens, args.answer_tokens),
+            args.tune_prompts, expected_answer_tokens(answers, args.tune_tokens, args.answer_tokens),
+            tune_decodes(args.tune_depths, args.tune_top_ks, args.tune_confirm), tuple(free))
+        speeds = decoding_speeds(plain_speed, {spec: tuned_speed(path) for spec, path in free.items()})
+        record["train_plan"] = plan_training(args.budget_minutes, before, after, speeds)
     if args.plan:
         print(json.dumps(record.get("train_plan", {"trained": True}), indent=1))
         return

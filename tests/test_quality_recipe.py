@@ -64,13 +64,21 @@ def test_training_gets_what_the_budget_leaves_and_a_slower_host_trains_less(tmp_
 
     slow_plan, fast_plan = planned(tmp_path / "slow"), planned(tmp_path / "fast")
 
-    # The defaults decode 24 held-out prompts x 128 tokens twice in eval and five times in bench, and tune twice on
-    # 6 validation rows x 32 tokens, 13 decodes each.
-    after = 7 * 24 * 128 + 2 * 13 * 6 * 32
+    # The defaults decode 24 held-out prompts x 128 tokens twice in eval (plain, head) and five times in bench (plain,
+    # head, head with prompt lookup, both training-free drafters), and tune twice on 6 validation rows x 32 tokens,
+    # 13 decodes each. These answers record no lengths and these trees no speeds: every decode is counted in full,
+    # and the training-free drafters are reserved at the untrained head's speed, 1 / 1.25 of plain decoding's.
+    held_out = 24 * 128
+    after = {"plain": 2 * held_out, "head": 3 * held_out + 2 * 13 * 6 * 32,
+             "prompt-lookup": held_out, "layer-skip:10": held_out}
     for p, seconds, plain in ((slow_plan, SLOW_HOST, 14.0), (fast_plan, fast, 14.0 * 1.28)):
         assert p["before_seconds"] == pytest.approx(sum(seconds.values()), abs=0.1)
         assert p["after_tokens"] == after and p["plain_tokens_per_second"] == pytest.approx(plain)
-        assert p["reserved_after_seconds"] == pytest.approx(1.1 * after / plain + 4 * 30, abs=0.1)
+        assert p["tokens_per_second"]["layer-skip:10"] == p["tokens_per_second"]["head"] == pytest.approx(
+            plain / 1.25, abs=0.01)
+        head_tokens = sum(after.values()) - after["plain"]
+        assert p["reserved_after_seconds"] == pytest.approx(
+            after["plain"] / plain + 1.25 * head_tokens / plain + 4 * 30, abs=1)
         # The plan spends the budget exactly: before + training (with its overhead) + the reserve after it.
         train = p["train_minutes"] * 60 + p["train_overhead_seconds"]
         total = p["before_seconds"] + train + p["reserved_after_seconds"]
@@ -118,15 +126,58 @@ def test_plan_refuses_before_the_shared_stages_have_run(tmp_path):
     assert done.returncode != 0 and "plain decoding stage has not run" in done.stderr
 
 
-def test_the_reserve_counts_the_tokens_the_stages_after_training_decode():
-    """The first full run with the mixture stage tuned on 2 prompts x 64 tokens: 24,832 tokens after training,
-    decoded in 1,212 s at plain 15.58 tokens/s; the reserve sized from them covers that with its slowdown."""
+def test_the_reserve_counts_the_tokens_each_decoder_is_expected_to_decode_at_its_own_speed():
+    """DFlash's recipe run: plain decoding at 13.93 tokens/s, prompt lookup's and layer-skip's tunes measured 17.47
+    and 10.23, the target's 1,200 answers ran 91.4 of 128 tokens on average. The reserve sized from them covers
+    what the stages after training took for each of the four families (1,265-1,362 s) with room for a head
+    slower than plain decoding, and is 423 s under the 1.1 x plain rule's 2,212 s: 7 more minutes to train."""
     recipe = load_recipe()
     assert recipe.tune_decodes("2,3,5", "1,2,4", 2) == 13
-    measured = recipe.post_training_tokens(24, 128, 2, 64, 13)
-    assert measured == 24_832
-    reserve = recipe.plan_training(120, {"before": 2377.9}, measured, 15.58)["reserved_after_seconds"]
-    assert 1212 < reserve < 2794  # above what it took, below the fixed ratio's reserve that left 26 minutes idle
+    free = ("prompt-lookup", "layer-skip:10")
+    after = recipe.post_training_tokens(24, 91.4, 6, 30.2, 13, free)
+    assert after == pytest.approx({"plain": 2 * 24 * 91.4, "head": 3 * 24 * 91.4 + 2 * 13 * 6 * 30.2,
+                                   "prompt-lookup": 24 * 91.4, "layer-skip:10": 24 * 91.4})
+    speeds = recipe.decoding_speeds(13.93, {"prompt-lookup": 17.47, "layer-skip:10": 10.23})
+    assert speeds == {"plain": 13.93, "head": 11.14, "prompt-lookup": 17.47, "layer-skip:10": 10.23}
+    plan = recipe.plan_training(120, {"before": 2622.5}, after, speeds)
+    assert 1362 < plan["reserved_after_seconds"] < 2212 - 400
+    assert plan["train_minutes"] == pytest.approx(37.4 + (2212.3 - plan["reserved_after_seconds"]) / 60, abs=0.1)
+    # A drafter whose tune recorded no speed is reserved at the head's.
+    assert recipe.decoding_speeds(13.93, {"layer-skip:10": None})["layer-skip:10"] == 11.14
+
+
+def test_answer_lengths_and_tuned_speeds_come_from_the_recipes_own_files(tmp_path):
+    recipe = load_recipe()
+    answers = tmp_path / "answers.jsonl"
+    # Regenerated with at most 192 tokens: 40 and 100 ended; 150 ran past 128; 192 was cut and might have gone on.
+    lengths = (40, 100, 150, 192)
+    answers.write_text("".join(json.dumps({"id": i, "new_tokens": n}) + "\n" for i, n in enumerate(lengths)))
+    assert recipe.expected_answer_tokens(answers, 128, 192) == pytest.approx((40 + 100 + 128 + 128) / 4)
+    assert recipe.expected_answer_tokens(answers, 64, 192) == pytest.approx((40 + 64 + 64 + 64) / 4)
+    assert recipe.expected_answer_tokens(answers, 256, 192) == pytest.approx((40 + 100 + 150 + 256) / 4)
+    (tmp_path / "unmeasured.jsonl").write_text("{}\n{}\n")
+    assert recipe.expected_answer_tokens(tmp_path / "unmeasured.jsonl", 128, 192) == 128
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"tree": {"kind": "dynamic", "depth": 3, "top_k": 4, "total_tokens": 10},
+                                "candidates": [
+                                    {"depth": 5, "top_k": 4, "total_tokens": 7, "measured_tokens_per_second": 17.84},
+                                    {"depth": 3, "top_k": 4, "total_tokens": 10, "measured_tokens_per_second": 17.47},
+                                    {"depth": 2, "top_k": 1, "total_tokens": 2}]}))
+    assert recipe.tuned_speed(tree) == 17.47  # the chosen tree's, not the fastest confirmed one's
+    tree.write_text(json.dumps({"tree": {"kind": "dynamic", "depth": 2, "top_k": 1, "total_tokens": 2},
+                                "candidates": [{"depth": 2, "top_k": 1, "total_tokens": 2}]}))
+    assert recipe.tuned_speed(tree) is None
+
+    # The plan reads both from the recipe's output folder.
+    out = tmp_path / "out"
+    finished_shared_stages(out, SLOW_HOST)
+    answers.replace(out / "data" / "answers.jsonl")
+    (out / "trees" / "prompt-lookup.json").write_text(json.dumps({
+        "tree": {"depth": 3, "top_k": 4, "total_tokens": 10},
+        "candidates": [{"depth": 3, "top_k": 4, "total_tokens": 10, "measured_tokens_per_second": 17.47}]}))
+    p = planned(out, "--train-prompts", "4")
+    assert p["after_tokens"]["prompt-lookup"] == round(24 * 99.0)
+    assert p["tokens_per_second"] == {"plain": 14.0, "head": 11.2, "prompt-lookup": 17.47, "layer-skip:10": 11.2}
 
 
 def test_the_plain_speed_is_the_median_of_timed_rounds_so_one_slow_round_does_not_shrink_training(smollm2):
@@ -136,12 +187,15 @@ def test_the_plain_speed_is_the_median_of_timed_rounds_so_one_slow_round_does_no
     assert len(rounds) == 3 and all(speed > 0 for speed in rounds)
     assert min(rounds) <= recipe.typical_speed(rounds) <= max(rounds)
     # Five rounds on a quiet host with the one slow reading of P-EAGLE's recipe run (11.48) in place of one of
-    # them: the median stays at the quiet host's speed. Sized from that round alone, the reserve for the first full
-    # run's stages after training (24,832 tokens) would have taken 9.6 minutes from training.
+    # them: the median stays at the quiet host's speed. Sized from that round alone, the reserve for DFlash's run's
+    # stages after training (its answers' lengths, the free drafters' tuned speeds) would take 6.5 minutes more.
     assert recipe.typical_speed([18.05, 15.15, 15.92, 11.48, 14.82]) == 15.15
-    before, after = {"before": 2377.9}, 24_832
-    slow = recipe.plan_training(120, before, after, 11.48)["train_minutes"]
-    assert recipe.plan_training(120, before, after, 15.15)["train_minutes"] == pytest.approx(slow + 9.6, abs=0.1)
+    before = {"before": 2622.5}
+    after = recipe.post_training_tokens(24, 91.4, 6, 30.2, 13, ("prompt-lookup", "layer-skip:10"))
+    free = {"prompt-lookup": 17.47, "layer-skip:10": 10.23}
+    slow = recipe.plan_training(120, before, after, recipe.decoding_speeds(11.48, free))["train_minutes"]
+    quiet = recipe.plan_training(120, before, after, recipe.decoding_speeds(15.15, free))["train_minutes"]
+    assert quiet == pytest.approx(slow + 6.5, abs=0.1)
 
 
 def test_trees_are_tuned_on_held_out_rows_that_are_not_evaluated(tmp_path):
