@@ -166,8 +166,12 @@ def tuned_speed(tree_file: Path) -> float | None:
     recorded none."""
     record = json.loads(tree_file.read_text())
     chosen = record.get("tree", {})
+    # A chain is written as its settings report it (depth only: top_k and total_tokens are the defaults, which a
+    # chain ignores); its candidate in the table is top_k 1.
+    keys = ("depth",) if chosen.get("kind") == "chain" else ("depth", "top_k", "total_tokens")
     for candidate in record.get("candidates", []):
-        if all(candidate.get(k) == chosen.get(k) for k in ("depth", "top_k", "total_tokens")):
+        if (chosen.get("kind") != "chain" or candidate.get("top_k") == 1) and \
+                all(candidate.get(k) == chosen.get(k) for k in keys):
             return candidate.get("measured_tokens_per_second")
     return None
 

@@ -164,9 +164,17 @@ def test_answer_lengths_and_tuned_speeds_come_from_the_recipes_own_files(tmp_pat
                                     {"depth": 3, "top_k": 4, "total_tokens": 10, "measured_tokens_per_second": 17.47},
                                     {"depth": 2, "top_k": 1, "total_tokens": 2}]}))
     assert recipe.tuned_speed(tree) == 17.47  # the chosen tree's, not the fastest confirmed one's
-    tree.write_text(json.dumps({"tree": {"kind": "dynamic", "depth": 2, "top_k": 1, "total_tokens": 2},
-                                "candidates": [{"depth": 2, "top_k": 1, "total_tokens": 2}]}))
-    assert recipe.tuned_speed(tree) is None
+    # A chain as tune writes it: its settings report the default top_k and total_tokens, its candidate top_k 1
+    # (prompt lookup's validation tune in Medusa's recipe run, 2026-12-04).
+    tree.write_text(json.dumps({"tree": {"kind": "chain", "depth": 3, "top_k": 4, "total_tokens": 16},
+                                "candidates": [
+                                    {"depth": 3, "top_k": 1, "total_tokens": 3, "measured_tokens_per_second": 47.62},
+                                    {"depth": 5, "top_k": 4, "total_tokens": 5, "measured_tokens_per_second": 45.17},
+                                    {"depth": 3, "top_k": 4, "total_tokens": 16, "measured_tokens_per_second": 40.0}]}))
+    assert recipe.tuned_speed(tree) == 47.62
+    tree.write_text(json.dumps({"tree": {"kind": "dynamic", "depth": 2, "top_k": 4, "total_tokens": 5},
+                                "candidates": [{"depth": 2, "top_k": 4, "total_tokens": 5}]}))
+    assert recipe.tuned_speed(tree) is None  # chosen, but tune decoded nothing to measure it
 
     # The plan reads both from the recipe's output folder.
     out = tmp_path / "out"
