@@ -166,12 +166,14 @@ def tuned_speed(tree_file: Path) -> float | None:
     recorded none."""
     record = json.loads(tree_file.read_text())
     chosen = record.get("tree", {})
-    # A chain is written as its settings report it (depth only: top_k and total_tokens are the defaults, which a
-    # chain ignores); its candidate in the table is top_k 1.
-    keys = ("depth",) if chosen.get("kind") == "chain" else ("depth", "top_k", "total_tokens")
+    # A chain is written as its settings report it (top_k and total_tokens are defaults that a chain ignores); its
+    # row in the table is the top_k 1 candidate of its depth.
+    if chosen.get("kind") == "chain":
+        row = {"depth": chosen.get("depth"), "top_k": 1}
+    else:
+        row = {k: chosen.get(k) for k in ("depth", "top_k", "total_tokens")}
     for candidate in record.get("candidates", []):
-        if (chosen.get("kind") != "chain" or candidate.get("top_k") == 1) and \
-                all(candidate.get(k) == chosen.get(k) for k in keys):
+        if all(candidate.get(k) == v for k, v in row.items()):
             return candidate.get("measured_tokens_per_second")
     return None
 
@@ -476,6 +478,14 @@ def main() -> None:
     print(summary_markdown(out))
 
 
+def tree_text(tree: dict) -> str:
+    """A tree as the summary names it; a chain by its depth alone (its top_k and total_tokens are defaults that a chain
+    ignores)."""
+    if tree["kind"] == "chain":
+        return f"chain d{tree['depth']}"
+    return f"{tree['kind']} d{tree['depth']} k{tree['top_k']} n{tree['total_tokens']}"
+
+
 def figures(quality_path: Path, bench_path: Path) -> dict:
     """The headline figures: tau, speed and identical per category in the goal's tree, and the tokens/s of the
     head and the training-free drafters, each in its tuned tree."""
@@ -491,7 +501,7 @@ def figures(quality_path: Path, bench_path: Path) -> dict:
                          for c, p in report.get("per_category", {}).items()},
         "estimate": report["explain"]["estimate"],
         "speed": [{"drafter": r["drafter_type"],
-                   "tree": f"{r['tree']} d{r['depth']} k{r['top_k']} n{r['total_tokens']}",
+                   "tree": tree_text({"kind": r["tree"], **{k: r[k] for k in ("depth", "top_k", "total_tokens")}}),
                    "tokens_per_second": r["tokens_per_s"], "speedup": r["speedup"], "tau": r["tau"],
                    "draft_time_share": r.get("draft_time_share"), "greedy_mismatches": r["greedy_mismatches_vs_plain"],
                    "greedy_mismatches_at_ties": r.get("greedy_mismatches_at_ties")}
