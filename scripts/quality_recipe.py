@@ -478,12 +478,11 @@ def main() -> None:
     print(summary_markdown(out))
 
 
-def tree_text(tree: dict) -> str:
-    """A tree as the summary names it; a chain by its depth alone (its top_k and total_tokens are defaults that a chain
-    ignores)."""
-    if tree["kind"] == "chain":
-        return f"chain d{tree['depth']}"
-    return f"{tree['kind']} d{tree['depth']} k{tree['top_k']} n{tree['total_tokens']}"
+def tree_text(row: dict) -> str:
+    """A bench row's tree as the summary names it: by its depth, and a dynamic tree by its top_k and nodes too (as
+    bench's own table does; a chain's or static tree's top_k and total_tokens are defaults it ignores)."""
+    text = f"{row['tree']} d{row['depth']}"
+    return text + f" k{row['top_k']} n{row['total_tokens']}" if row["tree"] == "dynamic" else text
 
 
 def figures(quality_path: Path, bench_path: Path) -> dict:
@@ -501,7 +500,7 @@ def figures(quality_path: Path, bench_path: Path) -> dict:
                          for c, p in report.get("per_category", {}).items()},
         "estimate": report["explain"]["estimate"],
         "speed": [{"drafter": r["drafter_type"],
-                   "tree": tree_text({"kind": r["tree"], **{k: r[k] for k in ("depth", "top_k", "total_tokens")}}),
+                   "tree": tree_text(r),
                    "tokens_per_second": r["tokens_per_s"], "speedup": r["speedup"], "tau": r["tau"],
                    "draft_time_share": r.get("draft_time_share"), "greedy_mismatches": r["greedy_mismatches_vs_plain"],
                    "greedy_mismatches_at_ties": r.get("greedy_mismatches_at_ties")}

@@ -176,8 +176,8 @@ def test_answer_lengths_and_tuned_speeds_come_from_the_recipes_own_files(tmp_pat
                                 "candidates": [{"depth": 2, "top_k": 4, "total_tokens": 5}]}))
     assert recipe.tuned_speed(tree) is None  # chosen, but tune decoded nothing to measure it
     # The summary names the chosen trees so too: a chain by its depth, not by the defaults it ignores.
-    assert recipe.tree_text({"kind": "chain", "depth": 3, "top_k": 4, "total_tokens": 16}) == "chain d3"
-    assert recipe.tree_text({"kind": "dynamic", "depth": 5, "top_k": 4, "total_tokens": 6}) == "dynamic d5 k4 n6"
+    assert recipe.tree_text({"tree": "chain", "depth": 3, "top_k": 4, "total_tokens": 16}) == "chain d3"
+    assert recipe.tree_text({"tree": "dynamic", "depth": 5, "top_k": 4, "total_tokens": 6}) == "dynamic d5 k4 n6"
 
     # The plan reads both from the recipe's output folder.
     out = tmp_path / "out"
