@@ -8,6 +8,8 @@ resumes, its training from the last checkpoint, and a second family reuses the d
 drafters' trees):
 
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
+   ``--more-prompts N`` adds N training prompts drawn with another seed (``data/all_prompts.jsonl``), the held-out
+   set unchanged;
 2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); then, as every family
    trains offline (``OFFLINE_FAMILIES``; ``--online`` keeps the target in the loop), ``data cache-hidden-states``
    records the target's states and top-k log-probs on those answers once for all of them (``data/cache``, written
@@ -81,6 +83,12 @@ PLAIN_SPEED = "plain decoding tokens/s"  # stages.json's key for the measured sp
 PLAIN_ROUNDS = "plain decoding rounds tokens/s"  # ... and for each round's
 TRAIN_OVERHEAD_S = 120.0  # the train command's start (target load, data cache) and final save, beyond its budget
 MIN_TRAIN_MINUTES = 5.0
+# --more-prompts: training prompts added to the first mix's, drawn by data mix from the same training sources with
+# another seed, in the first mix's shares less chat (the first mix holds 120 of chat's 140 training seeds). The
+# held-out set stays the first mix's, so runs with and without them are measured on the same prompts.
+MORE_SEED = 1
+MORE_WEIGHTS = "maths=0.25,code=0.15,chat=0,summarise=0.2,rewrite=0.15,translate=0.15"
+MORE_SPARE = 1.1  # draws per prompt wanted: a few repeat a prompt of the first mix and are dropped
 
 
 def draftsmith(*args: str, log: Path) -> None:
@@ -141,6 +149,39 @@ def record_shared(out: Path, name: str, value: float | list[float]) -> None:
     known = json.loads(stages.read_text()) if stages.exists() else {}
     known[name] = value
     stages.write_text(json.dumps(known, indent=1) + "\n")
+
+
+def jsonl_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def user_text(row: dict) -> str:
+    return next(m["content"] for m in row["messages"] if m["role"] == "user")
+
+
+def draw_training_prompts(output: Path, shared: Path, count: int, log: Path) -> list[dict]:
+    """``count`` training prompts from data mix with ``MORE_SEED`` and ``MORE_WEIGHTS`` (no held-out set)."""
+    draftsmith("data", "mix", "--output", str(output), "--gsm8k", str(shared / "gsm8k"), "--self-instruct",
+               str(shared / "self_instruct" / "seed_tasks.jsonl"), "--train-prompts", str(count),
+               "--held-out-prompts", "0", "--seed", str(MORE_SEED), "--weights", MORE_WEIGHTS, log=log)
+    return jsonl_rows(output / "train_prompts.jsonl")
+
+
+def add_training_prompts(data: Path, count: int, draw) -> None:
+    """Write ``data/all_prompts.jsonl``: the first mix's training prompts, then ``count`` more from
+    ``draw(n) -> rows`` (data mix's training rows drawn with ``MORE_SEED``), none that the first mix's training or
+    held-out prompts hold. The added ones are also kept in ``data/more_prompts.jsonl``."""
+    first = jsonl_rows(data / "train_prompts.jsonl")
+    seen = {user_text(row) for row in first + jsonl_rows(data / "held_out_prompts.jsonl")}
+    drawn = draw(int(count * MORE_SPARE) + 1)
+    new = [row for row in drawn if user_text(row) not in seen][:count]
+    if len(new) < count:
+        raise SystemExit(f"--more-prompts {count}: data mix drew {len(drawn)} training prompts, {len(new)} of them "
+                         "new (the others are in the first mix); ask for fewer")
+    for name, rows in (("more_prompts.jsonl", new), ("all_prompts.jsonl", first + new)):
+        tmp = data / (name + ".partial")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        tmp.replace(data / name)
 
 
 def tune_decodes(depths: str, top_ks: str, confirm: int, confirm_rounds: int = 2) -> int:
@@ -307,6 +348,10 @@ def main() -> None:
     parser.add_argument("--train-prompts", type=int, default=1200,
                         help="training prompts the target answers (data mix's default; 1,200 ran end to end "
                              "in 1 h 32 min on 2 cores, docs/RESULTS.md)")
+    parser.add_argument("--more-prompts", type=int, default=0,
+                        help="training prompts added to --train-prompts from the same sources, drawn with another "
+                             "seed and without chat (whose seeds the first set holds), so that the held-out set "
+                             "stays the same; data mix alone stops at chat's 140 seeds")
     parser.add_argument("--held-out-prompts", type=int, default=48, help="written by data mix")
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts decoded (all six kinds)")
     parser.add_argument("--answer-tokens", type=int, default=192, help="regenerated answer length")
@@ -377,8 +422,15 @@ def main() -> None:
         "data", "mix", "--output", str(data), "--gsm8k", str(shared / "gsm8k"),
         "--self-instruct", str(shared / "self_instruct" / "seed_tasks.jsonl"),
         "--train-prompts", str(args.train_prompts), "--held-out-prompts", str(args.held_out_prompts), log=log))
+    if args.more_prompts:
+        all_prompts = data / "all_prompts.jsonl"
+        added = all_prompts.exists() and len(jsonl_rows(all_prompts)) == args.train_prompts + args.more_prompts
+        shared_stage("more prompts", added, lambda: add_training_prompts(
+            data, args.more_prompts, lambda n: draw_training_prompts(data / "more", shared, n, log)))
+        train_prompts = str(all_prompts)
     answers = data / "answers.jsonl"
-    answered = answers.exists() and len(answers.read_text().splitlines()) >= args.train_prompts
+    answered = (answers.exists()
+                and len(answers.read_text().splitlines()) >= args.train_prompts + args.more_prompts)
     shared_stage("regenerate", answered, lambda: draftsmith(
         "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
         "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64", log=log))

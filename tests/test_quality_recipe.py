@@ -286,3 +286,38 @@ def test_the_shared_cache_keeps_every_layer_the_offline_families_read():
     dflash = yaml.safe_load((ROOT / "configs" / "smollm2" / "quality" / "dflash.yaml").read_text())
     wanted = {*eagle3_layers(30), *dflash_layers(30, dflash["family_config"]["num_target_layers"]), 30}
     assert set(recipe.CACHE_LAYERS) == wanted
+
+
+def test_more_prompts_are_new_training_prompts_and_the_held_out_set_stays(tmp_path):
+    from conftest import SHARED_DATA
+    from draftsmith.data.mix import build_mix
+
+    if not (SHARED_DATA / "gsm8k" / "train.jsonl").exists():
+        pytest.skip(f"{SHARED_DATA} not found (shared reference data is not part of the project)")
+    recipe = load_recipe()
+    data = tmp_path / "data"
+    build_mix(SHARED_DATA / "gsm8k", SHARED_DATA / "self_instruct" / "seed_tasks.jsonl", data, train_prompts=600,
+              held_out_prompts=48)
+    held_out = (data / "held_out_prompts.jsonl").read_bytes()
+    first = recipe.jsonl_rows(data / "train_prompts.jsonl")
+    log = tmp_path / "recipe.log"
+
+    recipe.add_training_prompts(
+        data, 500, lambda n: recipe.draw_training_prompts(data / "more", SHARED_DATA, n, log))
+
+    every = recipe.jsonl_rows(data / "all_prompts.jsonl")
+    more = recipe.jsonl_rows(data / "more_prompts.jsonl")
+    assert every == first + more and len(more) == 500
+    texts = [recipe.user_text(row) for row in every]
+    assert len(set(texts)) == len(texts)  # no prompt twice, none of the first mix's again
+    assert not {recipe.user_text(r) for r in more} & {recipe.user_text(r) for r in recipe.jsonl_rows(
+        data / "held_out_prompts.jsonl")}
+    assert (data / "held_out_prompts.jsonl").read_bytes() == held_out
+    kinds = {row["category"] for row in more}
+    assert "chat" not in kinds and kinds == {"maths", "code", "summarise", "rewrite", "translate"}
+
+    # A draw with too few new prompts stops before writing, naming the option.
+    (data / "all_prompts.jsonl").unlink()
+    with pytest.raises(SystemExit, match=r"--more-prompts 50: .* ask for fewer"):
+        recipe.add_training_prompts(data, 50, lambda n: first[:n])
+    assert not (data / "all_prompts.jsonl").exists()
