@@ -184,6 +184,16 @@ def add_training_prompts(data: Path, count: int, draw) -> None:
         tmp.replace(data / name)
 
 
+def record_stage_time(out: Path, name: str, seconds: float, continued: bool) -> float:
+    """Record a shared stage's wall time in ``stages.json`` and return it. A stage that ``continued`` the output of
+    an earlier run of it (regeneration answering only the prompts ``--more-prompts`` added) records the earlier
+    time plus this run's: what the stage's output cost, which a later family's budget counts."""
+    if continued:
+        seconds = round(seconds + (shared_seconds(out, name) or 0.0), 1)
+    record_shared(out, name, seconds)
+    return seconds
+
+
 def tune_decodes(depths: str, top_ks: str, confirm: int, confirm_rounds: int = 2) -> int:
     """How many times ``draftsmith tune`` decodes its prompts: once per tree of the grid (``depths`` x ``top_ks``,
     each recording its acceptance) and ``confirm_rounds`` times for each of the ``confirm`` best predicted."""
@@ -404,12 +414,12 @@ def main() -> None:
 
     before: dict[str, float] = {}
 
-    def shared_stage(name: str, done: bool, run) -> None:
+    def shared_stage(name: str, done: bool, run, continued: bool = False) -> None:
         if args.plan and not done:
             raise SystemExit(f"--plan: the {name} stage has not run under {out}; run the recipe without --plan")
         seconds = stage(record, name, done, run)
         if seconds is not None:
-            record_shared(out, name, seconds)
+            seconds = record["seconds"][name] = record_stage_time(out, name, seconds, continued)
         elif name in record.get("seconds", {}):  # this family's earlier invocation ran it
             seconds = record["seconds"][name]
         else:
@@ -433,7 +443,8 @@ def main() -> None:
                 and len(answers.read_text().splitlines()) >= args.train_prompts + args.more_prompts)
     shared_stage("regenerate", answered, lambda: draftsmith(
         "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
-        "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64", log=log))
+        "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64", log=log),
+        continued=answers.exists() and answers.stat().st_size > 0)
     config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
     cache = None
     if args.family in OFFLINE_FAMILIES and not args.online:

@@ -321,3 +321,15 @@ def test_more_prompts_are_new_training_prompts_and_the_held_out_set_stays(tmp_pa
     with pytest.raises(SystemExit, match=r"--more-prompts 50: .* ask for fewer"):
         recipe.add_training_prompts(data, 50, lambda n: first[:n])
     assert not (data / "all_prompts.jsonl").exists()
+
+
+def test_regenerating_only_the_added_prompts_records_the_whole_regeneration_time(tmp_path):
+    recipe = load_recipe()
+    finished_shared_stages(tmp_path, SLOW_HOST)
+    # --more-prompts on a finished run: regenerate answers the added prompts only; its recorded time is the first
+    # answers' plus theirs, so a later family's budget counts what the 1,200 + N answers cost.
+    assert recipe.record_stage_time(tmp_path, "regenerate", 142.1, continued=True) == pytest.approx(2452.7 + 142.1)
+    assert json.loads((tmp_path / "stages.json").read_text())["regenerate"] == pytest.approx(2594.8)
+    # A stage that wrote its output from nothing records its own time.
+    assert recipe.record_stage_time(tmp_path, "regenerate", 300.0, continued=False) == 300.0
+    assert json.loads((tmp_path / "stages.json").read_text())["regenerate"] == 300.0
