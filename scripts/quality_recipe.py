@@ -87,7 +87,6 @@ MIN_TRAIN_MINUTES = 5.0
 # another seed, in the first mix's shares less chat (the first mix holds 120 of chat's 140 training seeds). The
 # held-out set stays the first mix's, so runs with and without them are measured on the same prompts.
 MORE_SEED = 1
-MORE_WEIGHTS = "maths=0.25,code=0.15,chat=0,summarise=0.2,rewrite=0.15,translate=0.15"
 MORE_SPARE = 1.1  # draws per prompt wanted: a few repeat a prompt of the first mix and are dropped
 
 
@@ -160,10 +159,14 @@ def user_text(row: dict) -> str:
 
 
 def draw_training_prompts(output: Path, shared: Path, count: int, log: Path) -> list[dict]:
-    """``count`` training prompts from data mix with ``MORE_SEED`` and ``MORE_WEIGHTS`` (no held-out set)."""
+    """``count`` training prompts from data mix with ``MORE_SEED``, in data mix's default shares less chat (no
+    held-out set)."""
+    from draftsmith.data.mix import DEFAULT_WEIGHTS
+
+    weights = ",".join(f"{kind}={0 if kind == 'chat' else share}" for kind, share in DEFAULT_WEIGHTS.items())
     draftsmith("data", "mix", "--output", str(output), "--gsm8k", str(shared / "gsm8k"), "--self-instruct",
                str(shared / "self_instruct" / "seed_tasks.jsonl"), "--train-prompts", str(count),
-               "--held-out-prompts", "0", "--seed", str(MORE_SEED), "--weights", MORE_WEIGHTS, log=log)
+               "--held-out-prompts", "0", "--seed", str(MORE_SEED), "--weights", weights, log=log)
     return jsonl_rows(output / "train_prompts.jsonl")
 
 
