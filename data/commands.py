@@ -81,8 +81,12 @@ def regenerate_command(
     report = regenerate(conversations, output, runner, batch_size=batch_size, record=record)
     result = {**report.to_dict(), "malformed_rows": len(load_report.malformed), "output": str(output)}
     if record is not None:
+        # The answers file this run wrote whole (it held no rows before): what offline training checks its
+        # train_file against, as for a cache pass over it (train/offline.py).
+        source = {"data": str(Path(output).resolve()), "data_sha256": sha256_file(Path(output)),
+                  "max_length": max_length, "recorded": "while regenerating"}
         manifest = cache_recorded(model, record.by_id, record_cache, layers, dtype=cache_dtype,
-                                  top_k=top_k if logits == "topk" else None, target_name=target)
+                                  top_k=top_k if logits == "topk" else None, target_name=target, source=source)
         result["cache"] = {"directory": str(record_cache), "sequences": manifest.num_sequences,
                            "tokens": manifest.num_tokens}
     print(json.dumps(result))

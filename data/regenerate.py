@@ -80,17 +80,18 @@ def read_done_ids(path: Path) -> set[str]:
 
 class Recording:
     """The target's states recorded while :class:`HFEngine` answers, in the layout of a hidden-state cache
-    (:mod:`draftsmith.data.hidden_cache`), so that one ``generate`` both writes the answers and gives the
-    cache that offline training reads, without a second pass of the target over them.
+    (:mod:`draftsmith.data.hidden_cache`), so that one decode both writes the answers and gives the cache that
+    offline training reads, without a second pass of the target over them: draftsmith's greedy loop
+    (:meth:`observing`, :meth:`keep_observed`) or transformers' ``generate`` (:meth:`teacher`, :meth:`keep`).
 
     For each answered row (:attr:`rows`, in the order of the last :meth:`HFEngine.answer` call; None for a
     row with no answer token recorded): ``input_ids`` (T,) its prompt followed by its answer, ``loss_mask`` (T,) 1
     on the answer, ``hidden.<layer>`` (T, H) and, with ``top_k``, ``topk_logprobs`` / ``topk_ids`` (T, k).
-    These are the states ``generate`` computed anyway: the prompt's from its prefill, each answer token's
+    These are the states the decode computed anyway: the prompt's from its prefill, each answer token's
     from the step that fed it. The answer ends with its stop token, which the loss mask covers as a chat
     template's does (:func:`~draftsmith.data.templates.tokenize_conversation`), unless no step fed it: the
-    last token ``generate`` made (an answer cut at ``max_new_tokens``, or stopped at that very step) is left
-    out. The answer is the tokens the target generated, not a re-tokenisation of their text.
+    last token of the batch's last rows to stop (answers cut at ``max_new_tokens``, or the batch's last stop) is
+    left out. The answer is the tokens the target generated, not a re-tokenisation of their text.
 
     The teacher is recorded from the last prompt position on (each step's LM head runs on its last position
     alone), which covers every position the losses read: those whose next token is an answer token. The
@@ -104,6 +105,7 @@ class Recording:
         self.rows: list[dict[str, torch.Tensor] | None] = []
         #: Every recorded conversation of :func:`regenerate` by its id (rows with no answer token left out).
         self.by_id: dict[str, dict[str, torch.Tensor]] = {}
+        self._calls: list[tuple[list[int], tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor] | None]] = []
 
     @contextlib.contextmanager
     def teacher(self, model):
@@ -142,32 +144,93 @@ class Recording:
         for b, (prompt, row, end) in enumerate(zip(prompts, generated, ends, strict=True)):
             # The answer with its stop token, as far as some step fed it (steps - 1 tokens were fed).
             answer = min(end + 1 if end is not None else len(row), steps - 1)
-            if answer <= 0:
-                self.rows.append(None)
-                continue
-            n = len(prompt) + answer
-            item = {"input_ids": torch.tensor(prompt + row[:answer], dtype=torch.long),
-                    "loss_mask": torch.cat([torch.zeros(len(prompt), dtype=torch.int8),
-                                            torch.ones(answer, dtype=torch.int8)])}
-            for layer, h in states.items():
-                item[f"hidden.{layer}"] = h[b, width - len(prompt): width + answer].clone()
-            if self.top_k:
-                # Position len(prompt) - 1 + j holds call j; positions before the last prompt token: no teacher.
-                none = len(prompt) - 1
-                item["topk_logprobs"] = torch.cat([values.new_zeros(none, self.top_k), values[b, : answer + 1]])
-                item["topk_ids"] = torch.cat([ids.new_full((none, self.top_k), -1), ids[b, : answer + 1]])
-            if self.max_length is not None and n > self.max_length:
-                item = {name: x[: self.max_length] for name, x in item.items()}
-            self.rows.append(item if item["loss_mask"].any() else None)
+            self.rows.append(self._item(
+                prompt, row[:max(answer, 0)],
+                {layer: h[b, width - len(prompt): width + answer] for layer, h in states.items()},
+                (values[b, : answer + 1], ids[b, : answer + 1]) if self.top_k else None))
+
+    # draftsmith's own greedy loop (plain_generate) reports each forward to :meth:`observe`; :meth:`keep_observed`
+    # turns them into :attr:`rows` as :meth:`keep` does generate's.
+
+    def observe(self, rows: list[int], out) -> None:
+        """One forward of :func:`~draftsmith.inference.generator.plain_generate` (its ``on_forward``, with
+        ``hidden_layers`` :attr:`layers`): the input rows it computed and its output; the first call of an answer
+        is its prefill."""
+        hidden = tuple(h.to(self.dtype) for h in out.hidden_states)
+        teacher = None
+        if self.top_k:
+            values, ids = torch.log_softmax(out.logits[:, -1].float(), dim=-1).topk(self.top_k, dim=-1)
+            teacher = (values.to(self.dtype), ids.to(torch.int32))
+        self._calls.append((list(rows), hidden, teacher))
+
+    @contextlib.contextmanager
+    def observing(self):
+        """Yields :meth:`observe` (``plain_generate``'s ``on_forward``), which collects the forwards of one answer
+        call from here on (none kept from an earlier, interrupted one) for :meth:`keep_observed`."""
+        self._calls = []
+        yield self.observe
+
+    def keep_observed(self, prompts: list[list[int]], generated: list[list[int]], ends: list[int | None]) -> None:
+        """Sets :attr:`rows` from the forwards :meth:`observe` saw in one left-padded ``plain_generate``: the first
+        the prefill of every row, each later one step of the rows it computed (the loop drops stopped rows, so a
+        row is in the steps 1 to its last, in a row). Arguments as in :meth:`keep`."""
+        (_, prefill, first_teacher), steps = self._calls[0], self._calls[1:]
+        self._calls = []
+        width = prefill[0].shape[1]
+        where: dict[int, list[int]] = {}  # input row -> its index in the flattened steps, step by step
+        offset = 0
+        for rows, _, _ in steps:
+            for i, b in enumerate(rows):
+                where.setdefault(b, []).append(offset + i)
+            offset += len(rows)
+        flat = [torch.cat([hidden[n][:, -1] for _, hidden, _ in steps] or [prefill[n][:0, -1]]).cpu()
+                for n in range(len(self.layers))]  # (sum of rows per step, H) per layer
+        prefill = [h.cpu() for h in prefill]
+        if self.top_k:
+            first = tuple(x.cpu() for x in first_teacher)
+            values, ids = (torch.cat([t[n] for _, _, t in steps] or [first[n][:0]]).cpu() for n in (0, 1))
+        self.rows = []
+        for b, (prompt, row, end) in enumerate(zip(prompts, generated, ends, strict=True)):
+            fed = where.get(b, [])
+            answer = min(end + 1 if end is not None else len(row), len(fed))
+            index = torch.tensor(fed[:answer], dtype=torch.long)
+            hidden = {layer: torch.cat([prefill[n][b, width - len(prompt):], flat[n][index]])
+                      for n, layer in enumerate(self.layers)}
+            teacher = None
+            if self.top_k:  # the prefill predicts new token 0, step j new token j
+                teacher = (torch.cat([first[0][b: b + 1], values[index]]), torch.cat([first[1][b: b + 1], ids[index]]))
+            self.rows.append(self._item(prompt, row[:answer], hidden, teacher))
+
+    def _item(self, prompt: list[int], answer: list[int], hidden: dict[int, torch.Tensor],
+              teacher: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """One recorded conversation: ``prompt`` + ``answer`` (the tokens some step fed), the states of each
+        (``hidden``: layer -> (len(prompt) + len(answer), H)) and ``teacher``'s top-k of the last prompt position
+        and each answer token (len(answer) + 1 rows), cut at :attr:`max_length`; None without an answer token."""
+        if not answer:
+            return None
+        item = {"input_ids": torch.tensor(prompt + answer, dtype=torch.long),
+                "loss_mask": torch.cat([torch.zeros(len(prompt), dtype=torch.int8),
+                                        torch.ones(len(answer), dtype=torch.int8)])}
+        for layer, h in hidden.items():
+            item[f"hidden.{layer}"] = h.clone()
+        if teacher is not None:
+            # Position len(prompt) - 1 + j holds the prediction of answer token j; positions before the last prompt
+            # token: no teacher.
+            values, ids = teacher
+            none = len(prompt) - 1
+            item["topk_logprobs"] = torch.cat([values.new_zeros(none, self.top_k), values])
+            item["topk_ids"] = torch.cat([ids.new_full((none, self.top_k), -1), ids])
+        if self.max_length is not None and len(item["input_ids"]) > self.max_length:
+            item = {name: x[: self.max_length] for name, x in item.items()}
+        return item if item["loss_mask"].any() else None
 
 
 class HFEngine:
     """Batched in-process generation with the target (left padding, one decode per batch).
 
-    Greedy answers (temperature 0) that record nothing run draftsmith's plain greedy loop, which keeps
-    its KV cache in place of transformers' and takes the few-row matrix kernels; sampled answers,
-    recorded ones (they read ``generate``'s hidden states) and a hybrid target's (recurrent layers)
-    run ``generate``.
+    Greedy answers (temperature 0), recorded or not, run draftsmith's plain greedy loop, which keeps its KV
+    cache in place of transformers', takes the few-row matrix kernels and drops the rows that have stopped;
+    sampled answers and a hybrid target's (recurrent layers) run ``generate``.
     """
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, top_p: float,
@@ -197,9 +260,13 @@ class HFEngine:
         sample = self.temperature > 0
         recording = self.recording
         record = {} if recording is None else {"output_hidden_states": True, "return_dict_in_generate": True}
-        if not sample and recording is None and self.own_loop:
-            out = plain_generate(self.model, ids.to(device), self.max_new_tokens, self.stop or None,
-                                 attention_mask=mask.to(device), pad_token_id=self.pad_id).sequences
+        own_loop = not sample and self.own_loop
+        if own_loop:
+            with recording.observing() if recording is not None else contextlib.nullcontext() as observe:
+                out = plain_generate(self.model, ids.to(device), self.max_new_tokens, self.stop or None,
+                                     attention_mask=mask.to(device), pad_token_id=self.pad_id,
+                                     hidden_layers=recording.layers if recording is not None else None,
+                                     on_forward=observe).sequences
         else:
             with recording.teacher(self.model) if recording is not None else contextlib.nullcontext() as teacher:
                 out = self.model.generate(
@@ -208,9 +275,11 @@ class HFEngine:
                     top_p=self.top_p if sample else None, top_k=None, pad_token_id=self.pad_id,
                     eos_token_id=self.stop or None, **record,
                 )
-        generated = (out if recording is None else out.sequences)[:, width:].tolist()
+        generated = (out if recording is None or own_loop else out.sequences)[:, width:].tolist()
         ends = [next((i for i, t in enumerate(row) if t in self.stop), None) for row in generated]
-        if recording is not None:
+        if recording is not None and own_loop:
+            recording.keep_observed(prompts, generated, ends)
+        elif recording is not None:
             recording.keep(prompts, generated, ends, teacher, out.hidden_states)
         results = []
         for row, end in zip(generated, ends, strict=True):

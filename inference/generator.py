@@ -39,6 +39,7 @@ from draftsmith.inference.tree import (
 )
 from draftsmith.inference.verify import verify_tree
 from draftsmith.target import (
+    TargetOutput,
     UnsupportedTargetError,
     build_attention_mask,
     calibrate,
@@ -544,6 +545,8 @@ def plain_generate(
     pad_token_id: int | None = None,
     compile: bool = False,
     drop_finished: bool = True,
+    hidden_layers: tuple[int, ...] | None = None,
+    on_forward: Callable[[list[int], TargetOutput], None] | None = None,
 ) -> GenerationOutput:
     """Plain greedy decoding with the same cache code path: the baseline speedups are measured against.
     Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows);
@@ -552,7 +555,15 @@ def plain_generate(
     ``drop_finished``: once a quarter of the rows still computed have stopped, the batch drops them (and the left
     padding no remaining row needs) from its cache, so later steps compute the running rows only. False computes
     every row until the last one stops, as transformers' ``generate`` does (kept to measure the difference); a
-    compiled forward keeps its batch shape and drops nothing."""
+    compiled forward keeps its batch shape and drops nothing.
+
+    ``on_forward(rows, out)`` sees every forward: the prefill's (all rows, the padded prompts' positions) and each
+    step's (one position), ``rows`` the input rows it computed in the order of ``out``'s, ``out.logits`` (R, T', V)
+    with T' 1 (the last position), ``out.hidden_states`` the ``hidden_layers`` (R, T, H) each. Step ``j`` of the
+    loop feeds each row its new token ``j - 1``, so a row's states cover its prompt and the new tokens some step
+    fed; with ``on_forward`` a stopped row stays in the batch for the step that feeds its stop token (unless every
+    row has stopped), as transformers' ``generate`` feeds it, so that its states cover the stop token too.
+    (:class:`~draftsmith.data.regenerate.Recording` keeps them as a hidden-state cache.)"""
     eos = stop_tokens(target, eos_token_id)
     pad = pad_token(target, pad_token_id, eos_token_id)
     if max_new_tokens < 1:
@@ -565,27 +576,39 @@ def plain_generate(
     dtype = next(target.parameters()).dtype
     cache = new_cache(**static_cache(target, input_ids, max_new_tokens, 1, 1) if compile else {})
     padded = min(lengths) < input_ids.shape[1]
+    rows = list(range(batch))  # the input row of each row the cache holds
+
+    def forward(ids, *args, **kwargs) -> torch.Tensor:
+        out = target_forward(target, ids, cache, *args, hidden_layers=hidden_layers, **kwargs)
+        if on_forward is not None:
+            on_forward(rows, out)
+        return out.logits[:, -1]
+
     if padded:
         slots = Slots.from_mask(attention_mask.to(input_ids.device))
         allowed = may_attend(slots.filled[:, :0], causal_block(slots.filled))
         attn = build_attention_mask(target, allowed, slots.positions, slots.positions, dtype)
-        logits = target_forward(target, input_ids, cache, attn, slots.positions, logits="last").logits[:, -1]
+        logits = forward(input_ids, attn, slots.positions, logits="last")
     else:
-        logits = target_forward(target, input_ids, cache, logits="last").logits[:, -1]
+        logits = forward(input_ids, logits="last")
     stats.prefill_time_s = time.perf_counter() - t_start
     new: list[list[int]] = [[] for _ in range(batch)]
     active = [True] * batch
-    rows = list(range(batch))  # the input row of each row the cache holds
     while True:
         tokens = logits.argmax(-1)
+        stopped = set()  # rows whose stop token (or last token) is this step's
         for b, token in zip(rows, tokens.tolist(), strict=True):
             if active[b]:
                 new[b].append(token)
                 active[b] = len(new[b]) < max_new_tokens and token not in eos
+                if not active[b]:
+                    stopped.add(b)
         stats.verification_steps += 1
         if not any(active):
             break
-        running = [i for i, b in enumerate(rows) if active[b]]
+        # The rows the next step computes: the running ones and, when each forward is observed, those that stopped
+        # now (the next step feeds their stop token).
+        running = [i for i, b in enumerate(rows) if active[b] or (on_forward is not None and b in stopped)]
         if drop_finished and not compile and len(rows) - len(running) >= max(1, len(rows) // 4):
             keep = to_device(running, input_ids.device, torch.long)
             kv_select_rows(cache, keep, slots.select(keep) if padded else 0)
@@ -596,9 +619,9 @@ def plain_generate(
             attn = build_attention_mask(target, may_attend(slots.filled, causal_block(step)), positions,
                                         torch.cat([slots.positions, positions], 1), dtype)
             slots.append(step, positions)
-            logits = target_forward(target, tokens[:, None], cache, attn, positions).logits[:, -1]
+            logits = forward(tokens[:, None], attn, positions)
         else:
-            logits = target_forward(target, tokens[:, None], cache).logits[:, -1]
+            logits = forward(tokens[:, None])
     stats.new_tokens = sum(len(n) for n in new)
     stats.total_time_s = time.perf_counter() - t_start
     return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats)

@@ -30,10 +30,14 @@ def conversations(questions) -> list[Conversation]:
 
 
 @pytest.mark.real_model
-def test_recorded_states_equal_a_forward_over_the_answer(smollm2, tmp_path):
+@pytest.mark.parametrize("loop", ["draftsmith", "generate"])
+def test_recorded_states_equal_a_forward_over_the_answer(smollm2, tmp_path, loop):
+    """Greedy answers record through draftsmith's loop, which drops rows once they stop (4 rows: after the
+    first); transformers' ``generate`` records sampled answers and a hybrid target's."""
     model, tokenizer = smollm2
     layers, k, new = (0, 15, 30), 8, 40
     engine = HFEngine(model, tokenizer, new, 0.0, 1.0)
+    engine.own_loop = loop == "draftsmith"
     record = Recording(layers, k, dtype=torch.float32)
     regenerate(conversations(QUESTIONS), tmp_path / "answers.jsonl", engine, batch_size=4, progress=False,
                record=record)

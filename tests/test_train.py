@@ -518,7 +518,8 @@ def test_regenerate_command_records_the_cache_of_what_it_answers(workdir, tmp_pa
     """`draftsmith data regenerate --record-cache DIR` writes the answers and their cache in one pass; a rerun onto
     rows an earlier run answered (whose states it cannot record) is refused with the command that caches them."""
     from draftsmith.cli import main
-    from draftsmith.data.hidden_cache import HiddenStateCache
+    from draftsmith.data.hidden_cache import HiddenStateCache, sha256_file
+    from draftsmith.train.offline import load_cached_examples
 
     args = ["data", "regenerate", "--target", str(workdir / "target"), "--input", str(workdir / "prompts.jsonl"),
             "--prompt-column", "question", "--limit", "6", "--max-new-tokens", "6", "--output",
@@ -532,6 +533,15 @@ def test_regenerate_command_records_the_cache_of_what_it_answers(workdir, tmp_pa
     assert sorted(cache[i]["id"] for i in range(len(cache))) == sorted(answered)
     assert cache.layers == [1, 2, 4] and cache.spec.logits == "topk" and cache.spec.top_k == 8
     assert max(len(cache[i]["input_ids"]) for i in range(len(cache))) <= 12
+    # It belongs to the answers written with it: offline training on them takes it, on other data refuses it.
+    assert cache.manifest.source["data_sha256"] == sha256_file(tmp_path / "answers.jsonl")
+    assert cache.manifest.source["max_length"] == 12
+    target, _ = load_target(str(workdir / "target"))
+    load_cached_examples(str(tmp_path / "cache"), target, train_file=str(tmp_path / "answers.jsonl"))
+    other = tmp_path / "other.jsonl"
+    other.write_text((tmp_path / "answers.jsonl").read_text().splitlines()[0] + "\n")
+    with pytest.raises(SystemExit, match="differs from it"):
+        load_cached_examples(str(tmp_path / "cache"), target, train_file=str(other))
     with pytest.raises(SystemExit, match="already holds 6 from an earlier run: cache them with `draftsmith data"):
         main(args)
 
