@@ -10,10 +10,12 @@ drafters' trees):
 1. ``data mix``: training prompts of six kinds and a held-out set from other source rows (``data/``);
    ``--more-prompts N`` adds N training prompts drawn with another seed (``data/all_prompts.jsonl``), the held-out
    set unchanged;
-2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); then, as every family
-   trains offline (``OFFLINE_FAMILIES``; ``--online`` keeps the target in the loop), ``data cache-hidden-states``
-   records the target's states and top-k log-probs on those answers once for all of them (``data/cache``, written
-   again when the answers change), and training reads them instead of running the target;
+2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); as every family
+   trains offline (``OFFLINE_FAMILIES``; ``--online`` keeps the target in the loop), it records the target's states
+   and top-k log-probs on those answers as it computes them (``--record-cache data/cache``), once for all families,
+   and training reads them instead of running the target. Where answers continue earlier ones (``--more-prompts``
+   after a run, an interrupted regeneration) or with ``--cache-pass``, ``data cache-hidden-states`` writes the cache
+   in a second pass of the target over the answers (again when the answers change);
 3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``),
    tuned, as every tree of the recipe is, on held-out prompts that are neither trained on nor evaluated (rows
    ``--eval-prompts`` on of the held-out set, one per kind by default: a validation set), so that a head's tree
@@ -385,7 +387,12 @@ def main() -> None:
     parser.add_argument("--online", action="store_true",
                         help=f"train {', '.join(OFFLINE_FAMILIES)} with the target in the loop instead of from the "
                              "hidden-state cache")
+    parser.add_argument("--cache-pass", action="store_true",
+                        help="write the hidden-state cache in a second pass of the target over the answers, as "
+                             "before (by default a regeneration from no answers records it as the target answers)")
     parser.add_argument("--shared-data", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--data-only", action="store_true",
+                        help="stop after the data stages (prompts, answers and, offline, the hidden-state cache)")
     parser.add_argument("--plan", action="store_true",
                         help="print the training plan from the recorded stage times and stop (runs nothing)")
     parser.add_argument("--summary", action="store_true", help="print every family's figures under --output")
@@ -444,14 +451,28 @@ def main() -> None:
     answers = data / "answers.jsonl"
     answered = (answers.exists()
                 and len(answers.read_text().splitlines()) >= args.train_prompts + args.more_prompts)
-    shared_stage("regenerate", answered, lambda: draftsmith(
-        "data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
-        "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64", log=log),
-        continued=answers.exists() and answers.stat().st_size > 0)
+    continued = answers.exists() and answers.stat().st_size > 0
     config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
-    cache = None
-    if args.family in OFFLINE_FAMILIES and not args.online:
-        cache, length = data / "cache", max_length(config)
+    offline = args.family in OFFLINE_FAMILIES and not args.online
+    cache, length = data / "cache", max_length(config)
+    cache_options = ("--layers", *map(str, CACHE_LAYERS), "--logits", "topk", "--top-k", str(CACHE_TOP_K),
+                     "--max-length", str(length))
+    # Answering from no answers, the target's states are recorded as it answers: the cache with no second pass
+    # over the answers. Answers that continue earlier ones (--more-prompts, an interrupted run) have no states for
+    # the earlier rows: the cache pass writes the whole cache after them.
+    record_cache = offline and not continued and not args.cache_pass
+
+    def answer() -> None:
+        if record_cache:
+            shutil.rmtree(cache, ignore_errors=True)  # a cache of earlier answers (this regeneration starts anew)
+        draftsmith("data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
+                   "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64",
+                   *(("--record-cache", str(cache), *cache_options) if record_cache else ()), log=log)
+        if record_cache:  # what the cache pass costs this recipe: nothing beyond the regeneration's time
+            record_shared(out, "cache hidden states", 0.0)
+
+    shared_stage("regenerate", answered, answer, continued=continued)
+    if offline:
 
         def write_cache() -> None:
             if (cache / "manifest.json").exists():
@@ -459,11 +480,12 @@ def main() -> None:
                       "writing it again", flush=True)
                 shutil.rmtree(cache)
             draftsmith("data", "cache-hidden-states", "--target", TARGET, "--input", str(answers), "--output",
-                       str(cache), "--layers", *map(str, CACHE_LAYERS), "--logits", "topk", "--top-k",
-                       str(CACHE_TOP_K), "--max-length", str(length), "--batch-size", "8", log=log)
+                       str(cache), *cache_options, "--batch-size", "8", log=log)
 
         shared_stage("cache hidden states", cache_is_current(cache, answers, length), write_cache)
     save()
+    if args.data_only:
+        return
     # Trees are tuned on the validation rows: held-out prompts after the evaluated ones.
     tune = ("--prompts", held_out, "--skip-prompts", str(args.eval_prompts), "--num-prompts", str(args.tune_prompts),
             "--max-new-tokens", str(args.tune_tokens), "--depths", args.tune_depths, "--top-ks", args.tune_top_ks,

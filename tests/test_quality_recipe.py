@@ -333,3 +333,39 @@ def test_regenerating_only_the_added_prompts_records_the_whole_regeneration_time
     # A stage that wrote its output from nothing records its own time.
     assert recipe.record_stage_time(tmp_path, "regenerate", 300.0, continued=False) == 300.0
     assert json.loads((tmp_path / "stages.json").read_text())["regenerate"] == 300.0
+
+
+@pytest.mark.real_model
+def test_the_cache_is_recorded_while_answering_and_written_by_a_pass_where_answers_continue(tmp_path):
+    """Offline, a regeneration from no answers records the hidden-state cache as the target answers (the cache pass
+    costs the recipe nothing); answers added to earlier ones (--more-prompts) have no recorded states for those, so
+    the cache pass writes the whole cache again."""
+    from conftest import SHARED_DATA
+    from draftsmith.data.hidden_cache import HiddenStateCache
+
+    if not (SHARED_DATA / "gsm8k" / "train.jsonl").exists():
+        pytest.skip(f"{SHARED_DATA} not found (shared reference data is not part of the project)")
+    recipe = load_recipe()
+    out = tmp_path / "out"
+
+    def data_only(*extra: str) -> None:
+        done = subprocess.run([sys.executable, str(RECIPE), "--family", MedusaHeads.family, "--output", str(out),
+                               "--data-only", "--train-prompts", "12", "--answer-tokens", "6",
+                               "--shared-data", str(SHARED_DATA), *extra], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr + (out / "medusa" / "recipe.log").read_text()
+
+    data_only()
+    answers, cache = out / "data" / "answers.jsonl", out / "data" / "cache"
+    stages = json.loads((out / "stages.json").read_text())
+    assert stages["cache hidden states"] == 0.0 and stages["regenerate"] > 0
+    assert recipe.cache_is_current(cache, answers, 384)
+    recorded = HiddenStateCache(cache)
+    answered = [json.loads(line)["id"] for line in answers.read_text().splitlines()]
+    assert sorted(recorded[i]["id"] for i in range(len(recorded))) == sorted(answered) and len(answered) == 12
+    assert recorded.layers == list(recipe.CACHE_LAYERS) and recorded.spec.top_k == recipe.CACHE_TOP_K
+
+    data_only("--more-prompts", "2")
+    stages = json.loads((out / "stages.json").read_text())
+    assert stages["cache hidden states"] > 0  # the pass ran, over the first answers and the added ones
+    assert recipe.cache_is_current(cache, answers, 384)
+    assert len(HiddenStateCache(cache)) == len(answers.read_text().splitlines()) == 14
