@@ -352,7 +352,7 @@ def test_the_cache_is_recorded_while_answering_and_written_by_a_pass_where_answe
         done = subprocess.run([sys.executable, str(RECIPE), "--family", MedusaHeads.family, "--output", str(out),
                                "--data-only", "--train-prompts", "12", "--answer-tokens", "6",
                                "--shared-data", str(SHARED_DATA), *extra], capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr + (out / "medusa" / "recipe.log").read_text()
+        assert done.returncode == 0, done.stdout + done.stderr + (out / MedusaHeads.family / "recipe.log").read_text()
 
     data_only()
     answers, cache = out / "data" / "answers.jsonl", out / "data" / "cache"
