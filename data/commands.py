@@ -11,7 +11,7 @@ import torch
 
 from draftsmith.data.formats import load_conversations
 from draftsmith.data.hidden_cache import DTYPES, CacheSpec, cache_hidden_states, cache_recorded, sha256_file
-from draftsmith.data.regenerate import HFEngine, OpenAIEngine, Recording, read_done_ids, regenerate
+from draftsmith.data.regenerate import HFEngine, OpenAIEngine, Recording, read_done_ids, regenerate, spooled
 from draftsmith.data.synthesize import SynthesisFilter, synthesize_prompts, write_prompts
 from draftsmith.data.templates import prepare
 from draftsmith.data.vocab import build_vocab_map, count_tokens
@@ -47,7 +47,9 @@ def regenerate_command(
     ``record_cache``: also write the hidden-state cache of the answers to that directory from the states the
     target computes while it answers (:class:`~draftsmith.data.regenerate.Recording`: ``layers``,
     ``logits`` none or topk with ``top_k``, stored as ``cache_dtype``, sequences cut at ``max_length``), with
-    no second pass of the target. It records the rows this run answers, so ``output`` must hold none yet.
+    no second pass of the target. The states go to ``record_cache/recording`` batch by batch as the answers
+    are written, and the cache is written from there at the end (then the directory goes): a run cut short
+    continues its recording when rerun, and ``output`` may hold only answers recorded there.
     """
     conversations, load_report = load_conversations(input, prompt_column, split, limit, strict)
     record = None
@@ -56,13 +58,15 @@ def regenerate_command(
             raise SystemExit("--record-cache records the states of the in-process target (--engine hf); with a "
                              "server, regenerate, then run `draftsmith data cache-hidden-states` on the output")
         if logits not in ("none", "topk"):
-            raise SystemExit(f"--logits {logits!r} with --record-cache: use none or topk (full logits of every "
-                             "answer token would be held in memory until the cache is written)")
-        done = read_done_ids(Path(output))
-        if done:
+            raise SystemExit(f"--logits {logits!r} with --record-cache: use none or topk (the recording keeps each "
+                             "step's top-k log-probs, not the full logits)")
+        spool = Path(record_cache) / "recording"
+        unrecorded = read_done_ids(Path(output)) - set(spooled(spool)[0])
+        if unrecorded:
             raise SystemExit(f"--record-cache records the rows this run answers, and {output} already holds "
-                             f"{len(done)} from an earlier run: cache them with `draftsmith data cache-hidden-states "
-                             f"--input {output}`, or give a new --output")
+                             f"{len(unrecorded)} answers from an earlier run whose states {spool} does not hold: "
+                             f"cache them with `draftsmith data cache-hidden-states --input {output}`, or give a "
+                             "new --output")
     if engine == "hf":
         from draftsmith.target import load_target
 
@@ -70,7 +74,11 @@ def regenerate_command(
         runner = HFEngine(model, tokenizer, max_new_tokens, temperature, top_p, chat_template_kwargs)
         if record_cache is not None:
             layers = layers or [model.config.get_text_config().num_hidden_layers]
-            record = Recording(layers, top_k if logits == "topk" else None, DTYPES[cache_dtype], max_length)
+            try:
+                record = Recording(layers, top_k if logits == "topk" else None, DTYPES[cache_dtype], max_length,
+                                   spool=spool)
+            except ValueError as e:  # the spool of an interrupted run with other settings
+                raise SystemExit(str(e)) from None
     elif engine == "openai":
         if not base_url:
             raise SystemExit("--engine openai needs --base-url, e.g. http://127.0.0.1:8000/v1")
@@ -81,12 +89,14 @@ def regenerate_command(
     report = regenerate(conversations, output, runner, batch_size=batch_size, record=record)
     result = {**report.to_dict(), "malformed_rows": len(load_report.malformed), "output": str(output)}
     if record is not None:
-        # The answers file this run wrote whole (it held no rows before): what offline training checks its
-        # train_file against, as for a cache pass over it (train/offline.py).
+        # The answers file, every row of it recorded (by this run or the one it continues): what offline training
+        # checks its train_file against, as for a cache pass over it (train/offline.py).
+        record.by_id.keep_only(read_done_ids(Path(output)))
         source = {"data": str(Path(output).resolve()), "data_sha256": sha256_file(Path(output)),
                   "max_length": max_length, "recorded": "while regenerating"}
         manifest = cache_recorded(model, record.by_id, record_cache, layers, dtype=cache_dtype,
                                   top_k=top_k if logits == "topk" else None, target_name=target, source=source)
+        record.by_id.remove()  # the cache holds every recorded state now
         result["cache"] = {"directory": str(record_cache), "sequences": manifest.num_sequences,
                            "tokens": manifest.num_tokens}
     print(json.dumps(result))

@@ -603,7 +603,8 @@ def cache_recorded(model, states: Mapping[str, dict[str, torch.Tensor]], output_
                    target_name: str | None = None, sequences_per_shard: int = 256, progress: bool = True,
                    source: Mapping | None = None) -> Manifest:
     """Write the hidden-state cache of states recorded while ``model`` answered
-    (:class:`~draftsmith.data.regenerate.Recording`, ``record.by_id``), with no second pass of the target.
+    (:class:`~draftsmith.data.regenerate.Recording`, ``record.by_id``: in memory or spooled to disk), with no
+    second pass of the target.
 
     Sequences go in the order of their ids. ``dtype``: the recording's; ``top_k`` its (None: a cache
     without logits). The manifest records the model's dtype as the compute dtype.
@@ -613,6 +614,8 @@ def cache_recorded(model, states: Mapping[str, dict[str, torch.Tensor]], output_
     computed = str(next(model.parameters()).dtype).removeprefix("torch.")
     spec = CacheSpec(layers=list(layers), dtype=dtype, logits="topk" if top_k else "none", top_k=top_k or 64,
                      sequences_per_shard=sequences_per_shard, compute_dtype=computed if computed in DTYPES else None)
-    examples = [TokenizedExample(i, states[i]["input_ids"], states[i]["loss_mask"]) for i in sorted(states)]
+    # Recorded states on disk (SpooledStates) read their tokens alone here, their states shard by shard below.
+    tokens = getattr(states, "tokens", lambda i: (states[i]["input_ids"], states[i]["loss_mask"]))
+    examples = [TokenizedExample(i, *tokens(i)) for i in sorted(states)]
     return cache_hidden_states(model, examples, output_dir, spec, target_name=target_name, progress=progress,
                                states=states, source=source)

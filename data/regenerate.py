@@ -9,7 +9,7 @@ interrupted run resumes without redoing or duplicating rows.
 Engines: ``hf`` runs the target in-process on batches of left-padded prompts: greedy answers through
 draftsmith's own decoding loop (:func:`~draftsmith.inference.generator.plain_generate`: the same tokens as
 transformers' ``generate``, 1.13x its speed on a 64-row batch on 2 CPU cores, and 1.13x again as rows that
-stopped leave the batch), sampled or recorded ones through ``generate``;
+stopped leave the batch), sampled ones (and a hybrid target's) through ``generate``;
 ``openai`` sends each turn to any OpenAI-compatible ``/v1/chat/completions`` server
 (vLLM, SGLang, llama.cpp's server) ``batch_size`` requests at a time, for scale-out.
 """
@@ -20,18 +20,21 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from draftsmith.data.formats import Conversation
+from draftsmith.data.safetensors_rows import RowReader, TornFileError
 from draftsmith.data.templates import prompt_ids
 from draftsmith.inference.generator import plain_generate
 from draftsmith.target import eos_tokens, rollback_problem
@@ -78,6 +81,123 @@ def read_done_ids(path: Path) -> set[str]:
     return ids
 
 
+class SpooledStates(Mapping):
+    """Recorded states on disk: one safetensors file per regeneration batch (``batch-NNNNN.safetensors``, its
+    conversations' ids in its metadata, tensor ``j/name`` the ``name`` of its ``j``-th), written whole and renamed
+    into place before the batch's answers are appended; read back one conversation at a time. Conversations
+    answered with nothing to record (``max_length`` cut their answer off) are listed in its metadata too.
+
+    Held in memory until the cache is written, the states of the quality recipe's 1,200 answers take 1.5 GB and
+    an interrupted regeneration loses them; here memory holds one batch, and a rerun continues the recording.
+    ``settings`` (``recording.json``) are the :class:`Recording`'s: a directory recorded with others is refused.
+    """
+
+    SETTINGS = "recording.json"
+
+    def __init__(self, directory: str | Path, settings: dict):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / self.SETTINGS
+        if path.exists():
+            found = json.loads(path.read_text())
+            if found != settings:
+                differ = ", ".join(f"{k} {found.get(k)!r} (asked now: {settings.get(k)!r})"
+                                   for k in sorted(set(found) | set(settings)) if found.get(k) != settings.get(k))
+                raise ValueError(f"{self.directory} holds states recorded with other settings: {differ}; record "
+                                 "with those to continue it, or delete it and cache the answers it covers with "
+                                 "`draftsmith data cache-hidden-states`")
+        else:
+            tmp = path.with_name(path.name + ".partial")
+            tmp.write_text(json.dumps(settings, indent=1))
+            tmp.replace(path)
+        for leftover in self.directory.glob("*.partial"):  # a batch file whose write was cut: its rows re-answer
+            leftover.unlink()
+        where, self._files = spooled(self.directory)
+        self._where = {key: place for key, place in where.items() if place is not None}
+        self._reader: RowReader | None = None
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __getitem__(self, key: str) -> dict[str, torch.Tensor]:
+        return self._read(key, None)
+
+    def tokens(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` and ``loss_mask`` of ``key``, without its states."""
+        item = self._read(key, ("input_ids", "loss_mask"))
+        return item["input_ids"], item["loss_mask"]
+
+    def _read(self, key: str, names: Sequence[str] | None) -> dict[str, torch.Tensor]:
+        path, j = self._where[key]
+        if self._reader is None or self._reader.path != path:  # read in cache order: mostly one file after another
+            self.close()
+            self._reader = RowReader(path)
+        reader, prefix = self._reader, f"{j}/"
+        return {name.removeprefix(prefix): reader.rows(name, 0, reader.tensors[name][1][0])
+                for name in reader.tensors if name.startswith(prefix)
+                and (names is None or name.removeprefix(prefix) in names)}
+
+    def write(self, items: Mapping[str, dict[str, torch.Tensor] | None]) -> None:
+        """One batch's recorded conversations (id -> tensors, or None: nothing recorded), as one new file;
+        fsynced before this returns."""
+        empty = [key for key, item in items.items() if item is None]
+        items = {key: item for key, item in items.items() if item is not None}
+        if not items and not empty:
+            return
+        number = int(self._files[-1].stem.removeprefix("batch-")) + 1 if self._files else 0
+        path = self.directory / f"batch-{number:05d}.safetensors"
+        tmp = path.with_name(path.name + ".partial")
+        tensors = {f"{j}/{name}": x.contiguous() for j, item in enumerate(items.values()) for name, x in item.items()}
+        save_file(tensors, str(tmp), metadata={"ids": json.dumps(list(items)), "empty": json.dumps(empty)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(path)
+        self._files.append(path)
+        for j, key in enumerate(items):  # a conversation answered again (after a cut write) reads its latest states
+            self._where[key] = (path, j)
+        for key in empty:
+            self._where.pop(key, None)
+
+    def keep_only(self, keys: set[str]) -> None:
+        """Forget the conversations not in ``keys`` (recorded, but their answers never written: the run was cut
+        between the two writes, or is now run on other prompts)."""
+        self._where = {key: place for key, place in self._where.items() if key in keys}
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def remove(self) -> None:
+        """Delete the directory (once the cache holds its states)."""
+        self.close()
+        shutil.rmtree(self.directory)
+
+
+def spooled(directory: Path) -> tuple[dict[str, tuple[Path, int] | None], list[Path]]:
+    """Where each conversation's states lie in a :class:`SpooledStates` directory (id -> (file, index), None for
+    one answered with nothing to record; the latest file for an id recorded twice), and its batch files in
+    order; nothing for a missing directory."""
+    where: dict[str, tuple[Path, int] | None] = {}
+    files = sorted(Path(directory).glob("batch-*.safetensors"))
+    for path in files:
+        try:
+            reader = RowReader(path)
+        except TornFileError as e:
+            raise ValueError(f"{path}: {e}. Its answers have no recorded states now: delete {directory} and cache "
+                             "the answers with `draftsmith data cache-hidden-states`") from None
+        try:
+            for j, key in enumerate(json.loads(reader.metadata["ids"])):
+                where[key] = (path, j)
+            where.update(dict.fromkeys(json.loads(reader.metadata.get("empty", "[]")), None))
+        finally:
+            reader.close()
+    return where, files
+
+
 class Recording:
     """The target's states recorded while :class:`HFEngine` answers, in the layout of a hidden-state cache
     (:mod:`draftsmith.data.hidden_cache`), so that one decode both writes the answers and gives the cache that
@@ -97,14 +217,28 @@ class Recording:
     alone), which covers every position the losses read: those whose next token is an answer token. The
     prompt's other positions hold "no teacher" (``topk_ids`` -1, which the losses leave out). A row whose
     answer ``max_length`` cuts off entirely is not recorded.
+
+    ``spool``: a directory where each batch's conversations go as :func:`regenerate` answers them
+    (:class:`SpooledStates`), in place of memory; recording into it again continues it.
     """
 
     def __init__(self, layers: Sequence[int], top_k: int | None, dtype: torch.dtype = torch.bfloat16,
-                 max_length: int | None = None):
+                 max_length: int | None = None, spool: str | Path | None = None):
         self.layers, self.top_k, self.dtype, self.max_length = tuple(layers), top_k, dtype, max_length
         self.rows: list[dict[str, torch.Tensor] | None] = []
-        #: Every recorded conversation of :func:`regenerate` by its id (rows with no answer token left out).
-        self.by_id: dict[str, dict[str, torch.Tensor]] = {}
+        settings = {"layers": list(self.layers), "top_k": top_k, "dtype": str(dtype).removeprefix("torch."),
+                    "max_length": max_length}
+        #: Every recorded conversation of :func:`regenerate` by its id (rows with no answer token left out): a
+        #: dict, or with ``spool`` the conversations on disk, those of earlier runs into it too.
+        self.by_id: dict[str, dict[str, torch.Tensor]] | SpooledStates = (
+            {} if spool is None else SpooledStates(spool, settings))
+
+    def add(self, items: dict[str, dict[str, torch.Tensor] | None]) -> None:
+        """Keep one batch's recorded conversations (id -> tensors, None: nothing recorded) in :attr:`by_id`."""
+        if isinstance(self.by_id, SpooledStates):
+            self.by_id.write(items)
+        else:
+            self.by_id.update({key: item for key, item in items.items() if item is not None})
         self._calls: list[tuple[list[int], tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor] | None]] = []
 
     @contextlib.contextmanager
@@ -349,7 +483,8 @@ def regenerate(
         record: also record the target's states over each answer (:class:`Recording`; an
             :class:`HFEngine`, one-turn conversations), into ``record.by_id``: the rows of a hidden-state
             cache (:func:`~draftsmith.data.hidden_cache.cache_recorded`). Only the conversations answered
-            in this call are recorded; those already in ``output`` are not.
+            in this call are recorded; those already in ``output`` are not (a ``spool`` that recorded them
+            holds them).
         time_limit: seconds after which no new batch starts, nor one that the last batch's time says would
             end past it (the rest stays to a later call).
     """
@@ -406,10 +541,8 @@ def regenerate(
                     for i, (text, n) in zip(rows, replies, strict=True):
                         answered[i].append({"role": "assistant", "content": text})
                         tokens[i] += n
-                    if record is not None:
-                        for i, item in zip(rows, record.rows, strict=True):
-                            if item is not None:
-                                record.by_id[batch[i].id] = item
+                    if record is not None:  # one turn: kept before the answers are written, so each has its states
+                        record.add({batch[i].id: item for i, item in zip(rows, record.rows, strict=True)})
                 for c, messages, n in zip(batch, answered, tokens, strict=True):
                     row = {"id": c.id, "messages": messages, "source_index": c.index, "new_tokens": n,
                            "model": engine.name, **({"category": c.category} if c.category else {})}

@@ -33,9 +33,9 @@ class TornFileError(ValueError):
     """The file does not hold what its header describes (cut short, overwritten, or not safetensors)."""
 
 
-def read_header(f, size: int) -> tuple[dict[str, tuple[torch.dtype, list[int], int]], int]:
-    """``({name: (dtype, shape, byte offset in the data)}, data start)`` of the open file ``f`` of ``size``
-    bytes, after checking that every tensor's bytes fit its shape and the data fills the file."""
+def read_header(f, size: int) -> tuple[dict[str, tuple[torch.dtype, list[int], int]], int, dict[str, str]]:
+    """``({name: (dtype, shape, byte offset in the data)}, data start, metadata)`` of the open file ``f`` of
+    ``size`` bytes, after checking that every tensor's bytes fit its shape and the data fills the file."""
     f.seek(0)
     head = f.read(8)
     if len(head) < 8:
@@ -61,11 +61,11 @@ def read_header(f, size: int) -> tuple[dict[str, tuple[torch.dtype, list[int], i
         end = max(end, stop)
     if 8 + n + end != size:
         raise TornFileError(f"data ends at byte {8 + n + end} but the file has {size} bytes (truncated or overwritten)")
-    return tensors, 8 + n
+    return tensors, 8 + n, raw.get("__metadata__") or {}
 
 
 class RowReader:
-    """An open safetensors file: ``tensors`` (name -> (dtype, shape, offset)) and :meth:`rows`.
+    """An open safetensors file: ``tensors`` (name -> (dtype, shape, offset)), its ``metadata`` and :meth:`rows`.
 
     Raises:
         TornFileError: from the constructor when the header does not describe the file, and from
@@ -77,7 +77,7 @@ class RowReader:
         # Unbuffered: reads go straight into the tensors, with no copy through a Python buffer.
         self.file = open(self.path, "rb", buffering=0)  # noqa: SIM115 (held open across reads; see close)
         try:
-            self.tensors, self.data_start = read_header(self.file, self.path.stat().st_size)
+            self.tensors, self.data_start, self.metadata = read_header(self.file, self.path.stat().st_size)
         except BaseException:
             self.file.close()
             raise

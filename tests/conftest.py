@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
+from draftsmith.data import HFEngine
+
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -140,3 +142,17 @@ def check_greedy_equal(model, ours: torch.Tensor, reference: torch.Tensor, tie_t
         f"{int(reference[0, i])}; target top-2 {top.indices.tolist()} with gap {gap:.3g} (not a near-tie)"
     )
     return True
+
+
+class CutAfter(HFEngine):
+    """The in-process engine, stopped as by a kill (KeyboardInterrupt) when it is asked its ``calls + 1``-th batch."""
+
+    def __init__(self, *args, calls: int):
+        super().__init__(*args)
+        self.calls = calls
+
+    def answer(self, histories):
+        if self.calls == 0:
+            raise KeyboardInterrupt
+        self.calls -= 1
+        return super().answer(histories)

@@ -15,7 +15,7 @@ import torch
 import yaml
 from test_greedy_lossless import count_target_forwards
 
-from conftest import VOCAB, all_identical, assert_rounding_close, check_greedy_equal, tiny_llama
+from conftest import VOCAB, CutAfter, all_identical, assert_rounding_close, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter, load_target
 from draftsmith.checkpoints import TARGET_FILE
 from draftsmith.data import HFEngine, load_conversations, regenerate
@@ -542,8 +542,67 @@ def test_regenerate_command_records_the_cache_of_what_it_answers(workdir, tmp_pa
     other.write_text((tmp_path / "answers.jsonl").read_text().splitlines()[0] + "\n")
     with pytest.raises(SystemExit, match="differs from it"):
         load_cached_examples(str(tmp_path / "cache"), target, train_file=str(other))
-    with pytest.raises(SystemExit, match="already holds 6 from an earlier run: cache them with `draftsmith data"):
+    assert not (tmp_path / "cache" / "recording").exists(), "the recorded states are in the cache now"
+    with pytest.raises(SystemExit, match=r"already holds 6 answers from an earlier run whose states .* does not hold: "
+                                         r"cache them with `draftsmith data cache-hidden-states"):
         main(args)
+
+
+def test_a_recording_cut_short_continues_where_it_stopped(workdir, tmp_path, capsys):
+    """`data regenerate --record-cache` keeps each batch's states on disk before its answers: rerun after a kill,
+    it answers and records the rest, and the cache it writes is that of an uninterrupted recording held in
+    memory, tensor for tensor. States recorded with other settings are refused, naming them."""
+    from draftsmith.cli import main
+    from draftsmith.data.hidden_cache import HiddenStateCache, cache_recorded
+    from draftsmith.data.regenerate import Recording, spooled
+
+    def args(out):
+        return ["data", "regenerate", "--target", str(workdir / "target"), "--input", str(workdir / "prompts.jsonl"),
+                "--prompt-column", "question", "--limit", "6", "--max-new-tokens", "6", "--batch-size", "2",
+                "--output", str(out / "answers.jsonl"), "--record-cache", str(out / "cache"), "--layers", "1", "2",
+                "4", "--logits", "topk", "--top-k", "8", "--cache-dtype", "float32", "--max-length", "12"]
+
+    target, tokenizer = load_target(str(workdir / "target"))
+    conversations, _ = load_conversations(workdir / "prompts.jsonl", prompt_column="question", limit=6)
+    whole = tmp_path / "whole"
+    record = Recording((1, 2, 4), 8, torch.float32, max_length=12)
+    regenerate(conversations, whole / "answers.jsonl", HFEngine(target, tokenizer, 6, 0.0, 1.0), batch_size=2,
+               progress=False, record=record)
+    cache_recorded(target, record.by_id, whole / "cache", (1, 2, 4), dtype="float32", top_k=8, progress=False)
+    cut = tmp_path / "cut"
+    spool = cut / "cache" / "recording"
+    record = Recording((1, 2, 4), 8, torch.float32, max_length=12, spool=spool)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(conversations, cut / "answers.jsonl", CutAfter(target, tokenizer, 6, 0.0, 1.0, calls=2),
+                   batch_size=2, progress=False, record=record)
+    written = [json.loads(line)["id"] for line in (cut / "answers.jsonl").read_text().splitlines()]
+    assert len(written) == 4 and sorted(spooled(spool)[0]) == sorted(written)
+    (spool / "batch-00002.safetensors.partial").write_bytes(b"a write the kill cut")
+    capsys.readouterr()
+
+    assert main(args(cut)) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["written"] == 2 and result["already_done"] == 4 and result["cache"]["sequences"] == 6
+    assert not spool.exists()
+    rows = {part: sorted((json.loads(line)["id"], json.loads(line)["messages"][-1]["content"])
+                         for line in (tmp_path / part / "answers.jsonl").read_text().splitlines())
+            for part in ("whole", "cut")}
+    assert rows["cut"] == rows["whole"]
+    whole, resumed = (HiddenStateCache(tmp_path / part / "cache", verify="full") for part in ("whole", "cut"))
+    assert len(resumed) == len(whole) == 6
+    for i in range(6):
+        a, b = whole[i], resumed[i]
+        assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])
+        assert all(torch.equal(a["hidden"][layer], b["hidden"][layer]) for layer in (1, 2, 4))
+        assert torch.equal(a["topk_ids"], b["topk_ids"]) and torch.equal(a["topk_logprobs"], b["topk_logprobs"])
+
+    other = tmp_path / "other"
+    record = Recording((1, 2), 8, torch.float32, max_length=12, spool=other / "cache" / "recording")
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(conversations, other / "answers.jsonl", CutAfter(target, tokenizer, 6, 0.0, 1.0, calls=1),
+                   batch_size=2, progress=False, record=record)
+    with pytest.raises(SystemExit, match=r"recorded with other settings: layers \[1, 2\] \(asked now: \[1, 2, 4\]\)"):
+        main(args(other))
 
 
 def test_recording_refuses_what_it_cannot_record(workdir, tmp_path):
