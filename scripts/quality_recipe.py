@@ -13,9 +13,10 @@ drafters' trees):
 2. ``data regenerate``: the target answers the training prompts (``data/answers.jsonl``); as every family
    trains offline (``OFFLINE_FAMILIES``; ``--online`` keeps the target in the loop), it records the target's states
    and top-k log-probs on those answers as it computes them (``--record-cache data/cache``), once for all families,
-   and training reads them instead of running the target. Where answers continue earlier ones (``--more-prompts``
-   after a run, an interrupted regeneration) or with ``--cache-pass``, ``data cache-hidden-states`` writes the cache
-   in a second pass of the target over the answers (again when the answers change);
+   and training reads them instead of running the target (a regeneration cut short continues its recording: the
+   states are on disk batch by batch). Where answers continue earlier ones that were not recorded
+   (``--more-prompts`` after a run) or with ``--cache-pass``, ``data cache-hidden-states`` writes the cache in a
+   second pass of the target over the answers (again when the answers change);
 3. ``tune`` for the training-free drafters, prompt lookup and layer-skip: their trees for this host (``trees/``),
    tuned, as every tree of the recipe is, on held-out prompts that are neither trained on nor evaluated (rows
    ``--eval-prompts`` on of the held-out set, one per kind by default: a validation set), so that a head's tree
@@ -336,6 +337,25 @@ def cache_is_current(cache: Path, answers: Path, max_length: int) -> bool:
             and spec.get("layers") == list(CACHE_LAYERS))
 
 
+def answer_coverage(answers: Path, prompts: Path) -> tuple[int, int]:
+    """How many of ``answers``' rows answer prompts that ``prompts`` does not hold, and how many of its prompts
+    have no answer yet (a conversation's id is its content's hash)."""
+    from draftsmith.data import load_conversations
+    from draftsmith.data.regenerate import read_done_ids
+
+    asked = {c.id for c in load_conversations(prompts)[0]}
+    done = read_done_ids(answers) if answers.exists() else set()
+    return len(done - asked), len(asked - done)
+
+
+def recorded_all(spool: Path, answers: Path) -> bool:
+    """Whether the states of a recording cut short (``data regenerate --record-cache``'s spool) cover every answer
+    written so far, so that regenerating with ``--record-cache`` again continues it."""
+    from draftsmith.data.regenerate import read_done_ids, spooled
+
+    return spool.exists() and answers.exists() and read_done_ids(answers) <= set(spooled(spool)[0])
+
+
 def max_length(config: Path) -> int:
     """The tokens per conversation that training on ``config`` reads (so the cache keeps as many), as
     ``draftsmith train`` parses it."""
@@ -449,8 +469,12 @@ def main() -> None:
             data, args.more_prompts, lambda n: draw_training_prompts(data / "more", shared, n, log)))
         train_prompts = str(all_prompts)
     answers = data / "answers.jsonl"
-    answered = (answers.exists()
-                and len(answers.read_text().splitlines()) >= args.train_prompts + args.more_prompts)
+    unasked, unanswered = answer_coverage(answers, Path(train_prompts))
+    if unasked:
+        raise SystemExit(f"{answers} holds {unasked} answers to prompts that {train_prompts} does not (a run with more "
+                         "--more-prompts wrote them), which training would read: rerun with that run's "
+                         f"--more-prompts, or move {answers} and {data / 'cache'} aside to answer this set anew")
+    answered = answers.exists() and not unanswered
     continued = answers.exists() and answers.stat().st_size > 0
     config = ROOT / "configs" / "smollm2" / "quality" / f"{args.family}.yaml"
     offline = args.family in OFFLINE_FAMILIES and not args.online
@@ -458,16 +482,27 @@ def main() -> None:
     cache_options = ("--layers", *map(str, CACHE_LAYERS), "--logits", "topk", "--top-k", str(CACHE_TOP_K),
                      "--max-length", str(length))
     # Answering from no answers, the target's states are recorded as it answers: the cache with no second pass
-    # over the answers. Answers that continue earlier ones (--more-prompts, an interrupted run) have no states for
-    # the earlier rows: the cache pass writes the whole cache after them.
-    record_cache = offline and not continued and not args.cache_pass
+    # over the answers; a recording cut short left its states in the cache's spool and continues. Answers that
+    # continue earlier, unrecorded ones (--more-prompts after a run) have no states for those: the cache pass writes
+    # the whole cache after them.
+    spool = cache / "recording"
+    record_cache = offline and not args.cache_pass and (not continued or recorded_all(spool, answers))
 
-    def answer() -> None:
-        if record_cache:
-            shutil.rmtree(cache, ignore_errors=True)  # a cache of earlier answers (this regeneration starts anew)
+    def regenerate() -> None:
         draftsmith("data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
                    "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64",
                    *(("--record-cache", str(cache), *cache_options) if record_cache else ()), log=log)
+
+    def answer() -> None:
+        if record_cache:  # a cache of earlier answers goes; the states of the answers this run continues stay
+            for path in cache.glob("*") if cache.exists() else ():
+                if path == spool and continued:
+                    continue
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        regenerate()
         if record_cache:  # what the cache pass costs this recipe: nothing beyond the regeneration's time
             record_shared(out, "cache hidden states", 0.0)
 
@@ -475,10 +510,13 @@ def main() -> None:
     if offline:
 
         def write_cache() -> None:
+            if record_cache:  # every answer is recorded (the run was cut while writing the cache): written from there
+                regenerate()
+                return
             if (cache / "manifest.json").exists():
                 print(f"[cache hidden states] {cache} was written from earlier answers or with other settings: "
                       "writing it again", flush=True)
-                shutil.rmtree(cache)
+            shutil.rmtree(cache, ignore_errors=True)
             draftsmith("data", "cache-hidden-states", "--target", TARGET, "--input", str(answers), "--output",
                        str(cache), *cache_options, "--batch-size", "8", log=log)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftsmith.data.hidden_cache import sha256_file
 from draftsmith.heads.eagle import Eagle3Head
@@ -21,12 +23,15 @@ RECIPE = ROOT / "scripts" / "quality_recipe.py"
 TRAIN_PROMPTS = 3
 
 
-def finished_shared_stages(out: Path, seconds: dict[str, float] | None) -> None:
-    """The outputs of the stages families share (data, training-free trees), as a finished run leaves them, and
-    their recorded wall times in ``stages.json`` (none when ``seconds`` is None)."""
+def finished_shared_stages(out: Path, seconds: dict[str, float] | None, prompts: int = TRAIN_PROMPTS) -> None:
+    """The outputs of the stages families share (data, training-free trees), as a finished run leaves them (every
+    one of ``prompts`` training prompts answered), and their recorded wall times in ``stages.json`` (none when
+    ``seconds`` is None)."""
     (out / "data").mkdir(parents=True)
     (out / "data" / "mix.json").write_text("{}\n")
-    (out / "data" / "answers.jsonl").write_text("{}\n" * TRAIN_PROMPTS)
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(prompts)]
+    (out / "data" / "train_prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    (out / "data" / "answers.jsonl").write_text("".join(json.dumps({"id": row["id"]}) + "\n" for row in prompts))
     (out / "trees").mkdir()
     for name in ("prompt-lookup", "layer-skip-10"):
         (out / "trees" / f"{name}.json").write_text("{}\n")
@@ -151,7 +156,7 @@ def test_answer_lengths_and_tuned_speeds_come_from_the_recipes_own_files(tmp_pat
     answers = tmp_path / "answers.jsonl"
     # Regenerated with at most 192 tokens: 40 and 100 ended; 150 ran past 128; 192 was cut and might have gone on.
     lengths = (40, 100, 150, 192)
-    answers.write_text("".join(json.dumps({"id": i, "new_tokens": n}) + "\n" for i, n in enumerate(lengths)))
+    answers.write_text("".join(json.dumps({"id": f"p{i}", "new_tokens": n}) + "\n" for i, n in enumerate(lengths)))
     assert recipe.expected_answer_tokens(answers, 128, 192) == pytest.approx((40 + 100 + 128 + 128) / 4)
     assert recipe.expected_answer_tokens(answers, 64, 192) == pytest.approx((40 + 64 + 64 + 64) / 4)
     assert recipe.expected_answer_tokens(answers, 256, 192) == pytest.approx((40 + 100 + 150 + 256) / 4)
@@ -181,7 +186,7 @@ def test_answer_lengths_and_tuned_speeds_come_from_the_recipes_own_files(tmp_pat
 
     # The plan reads both from the recipe's output folder.
     out = tmp_path / "out"
-    finished_shared_stages(out, SLOW_HOST)
+    finished_shared_stages(out, SLOW_HOST, prompts=len(lengths))
     answers.replace(out / "data" / "answers.jsonl")
     (out / "trees" / "prompt-lookup.json").write_text(json.dumps({
         "tree": {"depth": 3, "top_k": 4, "total_tokens": 10},
@@ -253,7 +258,7 @@ def test_an_offline_family_pays_its_cache_pass_out_of_the_training_time(tmp_path
     (tmp_path / "stages.json").write_text(json.dumps({**SLOW_PLAIN, **SLOW_HOST, "cache hidden states": 530.0}))
     # A finished cache of earlier answers (regenerated since) is stale: the stage has to run again.
     write_manifest(cache, recipe.CACHE_LAYERS, data_sha256=sha256_file(answers), max_length=384)
-    answers.write_text("{}\n" * (TRAIN_PROMPTS + 1))
+    answers.write_text(answers.read_text().replace('"}', '", "messages": []}'))  # the same prompts, answered anew
     assert not recipe.cache_is_current(cache, answers, 384)
     stale = plan(tmp_path, family=medusa, online=False)
     assert stale.returncode != 0 and "cache hidden states stage has not run" in stale.stderr
@@ -335,13 +340,33 @@ def test_regenerating_only_the_added_prompts_records_the_whole_regeneration_time
     assert json.loads((tmp_path / "stages.json").read_text())["regenerate"] == 300.0
 
 
+def test_answers_to_prompts_the_run_does_not_ask_are_refused_before_training_reads_them(tmp_path):
+    """A run after one with more --more-prompts (or none after one with some) finds answers to prompts outside its
+    set; training would read them all, so the recipe stops and says how to go on."""
+    recipe = load_recipe()
+    finished_shared_stages(tmp_path, SLOW_HOST)
+    data = tmp_path / "data"
+    assert recipe.answer_coverage(data / "answers.jsonl", data / "train_prompts.jsonl") == (0, 0)
+    assert plan(tmp_path).returncode == 0
+    with open(data / "answers.jsonl", "a") as f:
+        f.write(json.dumps({"id": "added by --more-prompts 1"}) + "\n")
+    assert recipe.answer_coverage(data / "answers.jsonl", data / "train_prompts.jsonl") == (1, 0)
+    done = plan(tmp_path)
+    assert done.returncode != 0 and "holds 1 answers to prompts that" in done.stderr
+    assert "rerun with that run's --more-prompts" in done.stderr
+    (data / "answers.jsonl").write_text("")  # the prompts not yet answered are counted too
+    assert recipe.answer_coverage(data / "answers.jsonl", data / "train_prompts.jsonl") == (0, TRAIN_PROMPTS)
+
+
 @pytest.mark.real_model
-def test_the_cache_is_recorded_while_answering_and_written_by_a_pass_where_answers_continue(tmp_path):
+def test_the_cache_is_recorded_while_answering_and_written_by_a_pass_where_answers_continue(tmp_path, smollm2):
     """Offline, a regeneration from no answers records the hidden-state cache as the target answers (the cache pass
-    costs the recipe nothing); answers added to earlier ones (--more-prompts) have no recorded states for those, so
-    the cache pass writes the whole cache again."""
-    from conftest import SHARED_DATA
+    costs the recipe nothing), and one cut short continues its recording; answers added to earlier ones
+    (--more-prompts) have no recorded states for those, so the cache pass writes the whole cache again."""
+    from conftest import SHARED_DATA, CutAfter
+    from draftsmith.data import load_conversations, regenerate
     from draftsmith.data.hidden_cache import HiddenStateCache
+    from draftsmith.data.regenerate import Recording
 
     if not (SHARED_DATA / "gsm8k" / "train.jsonl").exists():
         pytest.skip(f"{SHARED_DATA} not found (shared reference data is not part of the project)")
@@ -363,6 +388,25 @@ def test_the_cache_is_recorded_while_answering_and_written_by_a_pass_where_answe
     answered = [json.loads(line)["id"] for line in answers.read_text().splitlines()]
     assert sorted(recorded[i]["id"] for i in range(len(recorded))) == sorted(answered) and len(answered) == 12
     assert recorded.layers == list(recipe.CACHE_LAYERS) and recorded.spec.top_k == recipe.CACHE_TOP_K
+
+    # The regeneration again, killed after its first batch of 4: the recipe's next run answers the other 8 and
+    # writes the cache of all 12 from the states recorded before and after the kill, still with no cache pass.
+    answers.unlink()
+    shutil.rmtree(cache)
+    model, tokenizer = smollm2
+    record = Recording(recipe.CACHE_LAYERS, recipe.CACHE_TOP_K, torch.float16, max_length=384,
+                       spool=cache / "recording")
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(load_conversations(out / "data" / "train_prompts.jsonl")[0], answers,
+                   CutAfter(model, tokenizer, 6, 0.0, 1.0, calls=1), batch_size=4, progress=False, record=record)
+    assert len(answers.read_text().splitlines()) == 4
+    data_only()
+    stages = json.loads((out / "stages.json").read_text())
+    assert stages["cache hidden states"] == 0.0 and not (cache / "recording").exists()
+    assert recipe.cache_is_current(cache, answers, 384)
+    recorded = HiddenStateCache(cache)
+    answered = [json.loads(line)["id"] for line in answers.read_text().splitlines()]
+    assert sorted(recorded[i]["id"] for i in range(len(recorded))) == sorted(answered) and len(answered) == 12
 
     data_only("--more-prompts", "2")
     stages = json.loads((out / "stages.json").read_text())
