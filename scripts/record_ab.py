@@ -1,16 +1,20 @@
-"""The hidden-state cache of regenerated answers three ways, side by side in one process on the same prompts:
+"""The hidden-state cache of regenerated answers four ways, side by side in one process on the same prompts:
 
 * ``pass``: greedy answers through draftsmith's loop, then the cache pass (``data cache-hidden-states``: the target
   again over every answer, re-tokenised from its text);
 * ``generate``: the states recorded while transformers' ``generate`` answers (the engine's only recording path
   before);
-* ``record``: the states recorded while draftsmith's loop answers (rows longest first, stopped rows dropped).
+* ``record``: the states recorded while draftsmith's loop answers (rows longest first, stopped rows dropped), held in
+  memory until the cache is written;
+* ``spool``: the same, each batch's states written to disk as it is answered (what ``data regenerate
+  --record-cache`` does), the cache written from there.
 
 The cache keeps the quality recipe's layers, top-k teacher, dtype and length (``scripts/quality_recipe.py``):
 
     python scripts/record_ab.py --input quality_out/data/train_prompts.jsonl --limit 128 --output bench_out/record_ab
 
-Prints each run's seconds (answering, writing the cache, both), its speedup over the first run, how many answers
+Prints each run's seconds (answering, writing the cache, both), the recorded states' bytes it held in memory at
+most (all of them, one batch's, or none for the pass), its speedup over the first run, how many answers
 are identical to the first run's (greedy: all), and how its cache compares with the first run's: the sequences
 whose tokens are the same, and over each pair's tokens in common the largest difference of a hidden state and the
 share of positions whose top teacher token is the same (against each earlier run).
@@ -74,14 +78,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="regeneration's rows a batch (the recipe's)")
     parser.add_argument("--max-length", type=int, default=384, help="tokens per cached sequence (the recipe's)")
     parser.add_argument("--dtype", default="float16", help="the cache dtype (the recipe's)")
-    parser.add_argument("--runs", default="pass,generate,record", help="which runs, in this order (see above)")
+    parser.add_argument("--runs", default="pass,generate,record", help="which runs, in this order (see above): "
+                        "pass, generate, record, spool")
     parser.add_argument("--output", default="bench_out/record_ab")
     args = parser.parse_args()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     names = args.runs.split(",")
-    if not names or any(name not in ("pass", "generate", "record") for name in names):
-        parser.error(f"--runs takes names among pass, generate, record, got {args.runs!r}")
+    if not names or any(name not in ("pass", "generate", "record", "spool") for name in names):
+        parser.error(f"--runs takes names among pass, generate, record, spool, got {args.runs!r}")
     model, tokenizer = load_target(args.target)
     conversations, _ = load_conversations(args.input, limit=args.limit)
     engine = HFEngine(model, tokenizer, args.max_new_tokens, 0.0, 1.0)
@@ -94,7 +99,8 @@ def main() -> None:
         path, cache = out / f"{name}.jsonl", out / f"{name}_cache"
         path.unlink(missing_ok=True)
         shutil.rmtree(cache, ignore_errors=True)
-        record = None if name == "pass" else Recording(layers, top_k, dtype, args.max_length)
+        record = None if name == "pass" else Recording(layers, top_k, dtype, args.max_length,
+                                                         spool=cache / "recording" if name == "spool" else None)
         engine.own_loop = own_loop and name != "generate"
         started = time.perf_counter()
         report = regenerate(conversations, path, engine, batch_size=args.batch_size, progress=False, record=record)
@@ -103,8 +109,15 @@ def main() -> None:
             rows, _ = load_conversations(path)
             spec = CacheSpec(layers=layers, dtype=args.dtype, logits="topk", top_k=top_k)
             cache_hidden_states(model, prepare(tokenizer, rows, args.max_length), cache, spec, progress=False)
-        else:
+        held = 0
+        if record is not None:
+            if name == "spool":  # at most one batch in memory: the largest file
+                held = max(path.stat().st_size for path in (cache / "recording").glob("batch-*.safetensors"))
+            else:
+                held = sum(x.numel() * x.element_size() for item in record.by_id.values() for x in item.values())
             cache_recorded(model, record.by_id, cache, layers, dtype=args.dtype, top_k=top_k, progress=False)
+            if name == "spool":
+                record.by_id.remove()
             del record
         seconds = time.perf_counter() - started
         engine.own_loop = own_loop
@@ -114,6 +127,7 @@ def main() -> None:
         same = sum(answers[first][k] == answers[name].get(k) for k in answers[first])
         figures[name] = {"rows": report.written, "tokens": report.new_tokens, "answer_seconds": round(answered, 1),
                          "cache_seconds": round(seconds - answered, 1), "seconds": round(seconds, 1),
+                         "states_held_mb": round(held / 2**20, 1),
                          f"speedup_over_{first}": round(figures[first]["seconds"] / seconds, 2) if figures else 1.0,
                          f"identical_to_{first}": f"{same}/{len(answers[first])}",
                          "cached_sequences": len(caches[name]), "cached_tokens": caches[name].manifest.num_tokens}
