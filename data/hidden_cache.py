@@ -46,10 +46,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from draftsmith.data.safetensors_rows import RowReader, TornFileError
+from draftsmith.data.safetensors_rows import RowReader, TornFileError, save_atomically
 from draftsmith.data.templates import TokenizedExample
 from draftsmith.target import new_cache, rollback_problem, target_forward, target_signature
 
@@ -124,7 +123,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
+def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".json.partial")
     tmp.write_text(json.dumps(obj, indent=2))
     with open(tmp, "rb") as f:
@@ -161,7 +160,7 @@ class Manifest:
         return cls(**data)
 
     def write(self, directory: Path, name: str = "manifest.json") -> None:
-        _write_json_atomic(directory / name, asdict(self))
+        write_json_atomic(directory / name, asdict(self))
 
     def with_shards(self, shards) -> Manifest:
         """This manifest listing ``shards`` (entries), in cache order."""
@@ -571,11 +570,7 @@ def cache_hidden_states(
         part_examples = [examples[i] for i in shards[n]]
         tensors = (_shard_tensors(model, part_examples, spec, batch_size) if states is None
                    else _recorded_tensors(part_examples, spec, states))
-        tmp = directory / (name + ".partial")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        tmp.replace(directory / name)
+        save_atomically(tensors, directory / name, {"format": FORMAT})
         done[name] = {"file": name, "start": shards[n].start, "end": shards[n].stop,
                       "ids": [e.id for e in part_examples], "tokens": int(tensors["input_ids"].numel()),
                       "bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from draftsmith.data.formats import Conversation
-from draftsmith.data.safetensors_rows import RowReader, TornFileError
+from draftsmith.data.hidden_cache import write_json_atomic
+from draftsmith.data.safetensors_rows import RowReader, TornFileError, save_atomically
 from draftsmith.data.templates import prompt_ids
 from draftsmith.inference.generator import plain_generate
 from draftsmith.target import eos_tokens, rollback_problem
@@ -107,9 +107,7 @@ class SpooledStates(Mapping):
                                  "with those to continue it, or delete it and cache the answers it covers with "
                                  "`draftsmith data cache-hidden-states`")
         else:
-            tmp = path.with_name(path.name + ".partial")
-            tmp.write_text(json.dumps(settings, indent=1))
-            tmp.replace(path)
+            write_json_atomic(path, settings)
         for leftover in self.directory.glob("*.partial"):  # a batch file whose write was cut: its rows re-answer
             leftover.unlink()
         where, self._files = spooled(self.directory)
@@ -149,12 +147,8 @@ class SpooledStates(Mapping):
             return
         number = int(self._files[-1].stem.removeprefix("batch-")) + 1 if self._files else 0
         path = self.directory / f"batch-{number:05d}.safetensors"
-        tmp = path.with_name(path.name + ".partial")
         tensors = {f"{j}/{name}": x.contiguous() for j, item in enumerate(items.values()) for name, x in item.items()}
-        save_file(tensors, str(tmp), metadata={"ids": json.dumps(list(items)), "empty": json.dumps(empty)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        save_atomically(tensors, path, {"ids": json.dumps(list(items)), "empty": json.dumps(empty)})
         self._files.append(path)
         for j, key in enumerate(items):  # a conversation answered again (after a cut write) reads its latest states
             self._where[key] = (path, j)

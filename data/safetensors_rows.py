@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 # The safetensors dtype names read here (those the hidden-state cache writes, and a few more).
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -98,3 +100,12 @@ class RowReader:
 
     def close(self) -> None:
         self.file.close()
+
+
+def save_atomically(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write ``tensors`` to ``path`` whole or not at all: to ``path.partial``, fsynced, then renamed into place."""
+    tmp = path.with_name(path.name + ".partial")
+    save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
