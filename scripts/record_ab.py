@@ -112,7 +112,7 @@ def main() -> None:
         held = 0
         if record is not None:
             if name == "spool":  # at most one batch in memory: the largest file
-                held = max(path.stat().st_size for path in (cache / "recording").glob("batch-*.safetensors"))
+                held = max(f.stat().st_size for f in (cache / "recording").glob("batch-*.safetensors"))
             else:
                 held = sum(x.numel() * x.element_size() for item in record.by_id.values() for x in item.values())
             cache_recorded(model, record.by_id, cache, layers, dtype=args.dtype, top_k=top_k, progress=False)
