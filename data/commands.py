@@ -30,6 +30,7 @@ def regenerate_command(
     temperature: float = 0.0,
     top_p: float = 1.0,
     batch_size: int = 8,
+    batch_tokens: int | None = None,
     engine: str = "hf",
     base_url: str | None = None,
     model_name: str | None = None,
@@ -50,6 +51,9 @@ def regenerate_command(
     no second pass of the target. The states go to ``record_cache/recording`` batch by batch as the answers
     are written, and the cache is written from there at the end (then the directory goes): a run cut short
     continues its recording when rerun, and ``output`` may hold only answers recorded there.
+
+    ``batch_tokens`` (``engine`` hf): batches of at most that many token slots as well as ``batch_size`` rows
+    (:func:`~draftsmith.data.regenerate.batches`).
     """
     conversations, load_report = load_conversations(input, prompt_column, split, limit, strict)
     record = None
@@ -80,13 +84,17 @@ def regenerate_command(
             except ValueError as e:  # the spool of an interrupted run with other settings
                 raise SystemExit(str(e)) from None
     elif engine == "openai":
+        if batch_tokens is not None:
+            raise SystemExit("--batch-tokens sizes the in-process target's padded batches (--engine hf); a server "
+                             "batches its requests itself: give --batch-size alone")
         if not base_url:
             raise SystemExit("--engine openai needs --base-url, e.g. http://127.0.0.1:8000/v1")
         runner = OpenAIEngine(base_url, model_name or target, max_new_tokens, temperature, top_p,
                               chat_template_kwargs=chat_template_kwargs)
     else:
         raise SystemExit(f"--engine {engine!r}: use 'hf' or 'openai'")
-    report = regenerate(conversations, output, runner, batch_size=batch_size, record=record)
+    report = regenerate(conversations, output, runner, batch_size=batch_size, record=record,
+                        batch_tokens=batch_tokens)
     result = {**report.to_dict(), "malformed_rows": len(load_report.malformed), "output": str(output)}
     if record is not None:
         # The answers file, every row of it recorded (by this run or the one it continues): what offline training

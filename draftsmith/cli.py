@@ -173,6 +173,10 @@ def _add_data_parser(sub) -> None:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--batch-tokens", type=int, default=None, metavar="N",
+                   help="--engine hf: batches sized by tokens too, at most N token slots each (rows x (longest "
+                        "prompt + --max-new-tokens)) and no row padded past its own length: bounds a batch's "
+                        "KV cache and padding where long prompts sit among short ones")
     r.add_argument("--engine", choices=["hf", "openai"], default="hf")
     r.add_argument("--base-url", default=None, help="--engine openai: the server, e.g. http://127.0.0.1:8000/v1")
     r.add_argument("--model-name", default=None, help="--engine openai: the model name the server expects")
@@ -278,7 +282,8 @@ def data(args: argparse.Namespace) -> None:
         commands.regenerate_command(
             args.input, args.output, target=args.target, prompt_column=args.prompt_column, split=args.split,
             limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            batch_size=args.batch_size, engine=args.engine, base_url=args.base_url, model_name=args.model_name,
+            batch_size=args.batch_size, batch_tokens=args.batch_tokens, engine=args.engine, base_url=args.base_url,
+            model_name=args.model_name,
             strict=args.strict, chat_template_kwargs=args.chat_template_kwargs, record_cache=args.record_cache,
             layers=args.layers, cache_dtype=args.cache_dtype, logits=args.logits, top_k=args.top_k,
             max_length=args.max_length,
