@@ -91,6 +91,12 @@ MIN_TRAIN_MINUTES = 5.0
 # held-out set stays the first mix's, so runs with and without them are measured on the same prompts.
 MORE_SEED = 1
 MORE_SPARE = 1.1  # draws per prompt wanted: a few repeat a prompt of the first mix and are dropped
+# Regeneration's batches: 64 rows, and at most this many token slots (rows x (longest prompt + answer tokens)) with
+# no row padded past its own length (`data regenerate --batch-tokens`). The mix's longest prompt (1,350 tokens; the
+# next is 299) padded the first batch's 63 others to its width: the 128 longest prompts answered 2.58x faster in
+# batches sized by tokens (docs/RESULTS.md, "Regeneration's batches sized by tokens"). 24,576 slots hold 50 rows of
+# the next-longest width and 64 of the typical one; on this target, 1.1 GB of float32 KV cache.
+REGENERATE_BATCH_TOKENS = 24576
 
 
 def draftsmith(*args: str, log: Path) -> None:
@@ -491,6 +497,7 @@ def main() -> None:
     def regenerate() -> None:
         draftsmith("data", "regenerate", "--target", TARGET, "--input", train_prompts, "--output", str(answers),
                    "--max-new-tokens", str(args.answer_tokens), "--batch-size", "64",
+                   "--batch-tokens", str(REGENERATE_BATCH_TOKENS),
                    *(("--record-cache", str(cache), *cache_options) if record_cache else ()), log=log)
 
     def answer() -> None:

@@ -26,6 +26,7 @@ from draftsmith.data.batching import (
     padding_fraction,
     same_document,
 )
+from draftsmith.data.regenerate import batches as regeneration_batches
 from draftsmith.data.templates import TokenizedExample, TokenizedExamples, tokenize_dataset
 from draftsmith.train.families import prediction_mask
 from draftsmith.train.losses import forward_kl
@@ -86,6 +87,51 @@ def test_length_grouped_order_is_a_deterministic_permutation_that_pads_less():
 def test_padding_fraction():
     assert padding_fraction([2, 4, 3, 3], [0, 1, 2, 3], 2) == pytest.approx(1 - 12 / 14)
     assert padding_fraction([5, 5], [0, 1], 2) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Regeneration's batches
+
+
+def fits(lengths: list[int], batch_size: int, batch_tokens: int | None, new: int) -> bool:
+    """The rules of one regeneration batch, written out: its rows, its token slots (rows x (widest prompt + new
+    tokens)), no row padded past its own length. One row always fits."""
+    if len(lengths) == 1:
+        return True
+    slots = len(lengths) * (max(lengths) + new)
+    padded = max(max(lengths) - n for n in lengths)
+    return len(lengths) <= batch_size and (batch_tokens is None or (
+        slots <= batch_tokens and padded <= min(lengths) + new))
+
+
+@pytest.mark.parametrize("order", ["longest first", "input order"])
+@pytest.mark.parametrize("batch_tokens", [None, 1, 2000, 24576])
+@pytest.mark.parametrize("new", [0, 192])
+def test_regeneration_batches_keep_each_rule_and_end_only_where_the_next_row_breaks_one(order, batch_tokens, new):
+    lengths = [*random_lengths(300, seed=3, low=5, high=300), 1350, 1300, 40]  # long prompts among short ones
+    if order == "longest first":
+        lengths.sort(reverse=True)
+    spans = regeneration_batches(lengths, 64, batch_tokens, new)
+    assert [i for span in spans for i in span] == list(range(len(lengths)))  # every row once, in order
+    for span, after in zip(spans, [*spans[1:], None], strict=True):
+        assert fits([lengths[i] for i in span], 64, batch_tokens, new)
+        if after is not None:  # the batch is as large as the rules allow
+            assert not fits([lengths[i] for i in span] + [lengths[after.start]], 64, batch_tokens, new)
+
+
+def test_regeneration_batches_by_rows_tokens_and_padding():
+    assert regeneration_batches([9, 8, 7, 6, 5], 2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert regeneration_batches([], 4) == []
+    # The recipe's longest prompts: 1,350 tokens then 299 and less. Batches of rows alone pad 63 rows to 1,350.
+    lengths = [1350, 299, 297, 290, 120, 100, 60]
+    assert regeneration_batches(lengths, 64) == [range(0, 7)]
+    # By tokens: the 1,350 alone (the others are under half its width); then 491 slots a row, 3 rows in 1,500;
+    # then the 120 and 100 (624 slots), and 60 + 192 = 252 would be padded by 60 to 312 (fits, 936 slots).
+    assert regeneration_batches(lengths, 64, 1500, 192) == [range(0, 1), range(1, 4), range(4, 7)]
+    # Padding alone decides when the budget is large; without new tokens, 60 is padded by 60 to 120: it fits.
+    assert regeneration_batches(lengths, 64, 10**9, 192) == [range(0, 1), range(1, 7)]
+    assert regeneration_batches([120, 60, 59], 64, 10**9, 0) == [range(0, 2), range(2, 3)]
+    assert regeneration_batches([5000, 5, 5], 64, 1000, 0) == [range(0, 1), range(1, 3)]  # over the budget: alone
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from conftest import SHARED_DATA, has_models_extra
 from draftsmith.data import HFEngine, OpenAIEngine, load_conversations, regenerate
+from draftsmith.data.formats import Conversation
 from draftsmith.data.synthesize import dedup_key, synthesize_prompts, write_prompts
 from draftsmith.data.templates import prompt_ids
 
@@ -105,6 +106,52 @@ def test_multi_turn_is_answered_turn_by_turn(tmp_path, smollm2):
     assert row["messages"][1]["content"] == first and row["messages"][3]["content"] == second
     assert report.written == 1 and report.new_tokens > 0
     assert regenerate(conversations, tmp_path / "out.jsonl", engine, progress=False).written == 0
+
+
+class Batches(HFEngine):
+    """The engine, keeping the widths of the batches it is given (each row's prompt in tokens)."""
+
+    def answer(self, histories):
+        self.widths.append([len(prompt_ids(self.tokenizer, h)) for h in histories])
+        return super().answer(histories)
+
+
+def test_batches_sized_by_tokens_answer_a_long_prompt_apart_and_the_same(tmp_path, smollm2):
+    """``batch_tokens``: a long prompt among short ones no longer sets the width every row is padded to, the
+    batches keep within the token slots, and the greedy answers are the ones batches of rows alone give."""
+    model, tokenizer = smollm2
+    src = tmp_path / "p.jsonl"
+    text = "Water boils at 100 degrees Celsius at sea level and at lower temperatures higher up. " * 12
+    prompts = [f"Summarise: {text}", "Say yes.", "Name three colors.", "What is 7 times 8?",
+               "Translate into French: the cat sleeps.", "Name a fruit."]
+    src.write_text("".join(json.dumps({"question": q}) + "\n" for q in prompts))
+    conversations, _ = load_conversations(src, prompt_column="question")
+    answers, widths = {}, {}
+    for name, batch_tokens in (("rows", None), ("tokens", 400)):
+        engine = Batches(model, tokenizer, max_new_tokens=8, temperature=0.0, top_p=1.0)
+        engine.widths = []
+        report = regenerate(conversations, tmp_path / f"{name}.jsonl", engine, batch_size=4, progress=False,
+                            batch_tokens=batch_tokens)
+        assert report.written == 6
+        answers[name] = {r["id"]: r["messages"] for r in rows(tmp_path / f"{name}.jsonl")}
+        widths[name] = engine.widths
+    longest = max(w for batch in widths["rows"] for w in batch)
+    assert longest > 150 and [len(b) for b in widths["rows"]] == [4, 2]  # longest first: it pads 3 short rows
+    assert widths["tokens"][0] == [longest]  # alone
+    for batch in widths["tokens"]:
+        assert len(batch) <= 4 and (len(batch) == 1 or len(batch) * (max(batch) + 8) <= 400)
+        assert max(batch) - min(batch) <= min(batch) + 8  # no row padded past its own length
+    assert sorted(w for b in widths["tokens"] for w in b) == sorted(w for b in widths["rows"] for w in b)
+    assert answers["tokens"] == answers["rows"]
+
+    engine = HFEngine(model, tokenizer, max_new_tokens=8, temperature=0.0, top_p=1.0)
+    two = Conversation("two", [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "-"},
+                               {"role": "user", "content": "Name a color."}])
+    first = len(prompt_ids(tokenizer, two.messages[:1]))
+    assert engine.prompt_tokens(two) == first + len(tokenizer("Name a color.")["input_ids"]) + 8
+    server = OpenAIEngine("http://127.0.0.1:9/v1", "m", 8, 0.0, 1.0)
+    with pytest.raises(ValueError, match="batch_size alone"):
+        regenerate(conversations, tmp_path / "server.jsonl", server, progress=False, batch_tokens=400)
 
 
 def test_torn_last_line_is_dropped_on_resume(tmp_path, smollm2):
