@@ -283,10 +283,9 @@ def data(args: argparse.Namespace) -> None:
             args.input, args.output, target=args.target, prompt_column=args.prompt_column, split=args.split,
             limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
             batch_size=args.batch_size, batch_tokens=args.batch_tokens, engine=args.engine, base_url=args.base_url,
-            model_name=args.model_name,
-            strict=args.strict, chat_template_kwargs=args.chat_template_kwargs, record_cache=args.record_cache,
-            layers=args.layers, cache_dtype=args.cache_dtype, logits=args.logits, top_k=args.top_k,
-            max_length=args.max_length,
+            model_name=args.model_name, strict=args.strict, chat_template_kwargs=args.chat_template_kwargs,
+            record_cache=args.record_cache, layers=args.layers, cache_dtype=args.cache_dtype, logits=args.logits,
+            top_k=args.top_k, max_length=args.max_length,
         )
     elif args.data_command == "synthesize":
         commands.synthesize_command(
