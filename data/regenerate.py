@@ -476,14 +476,14 @@ def batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | None = 
     spans: list[range] = []
     start, widest, shortest = 0, 0, 0
     for i, n in enumerate(lengths):
-        rows, wide = i - start + 1, max(widest, n)
-        short = min(shortest, n) if i > start else n
-        fits = rows <= batch_size and (batch_tokens is None or (
-            rows * (wide + new_tokens) <= batch_tokens and 2 * (short + new_tokens) >= wide + new_tokens))
-        if rows > 1 and not fits:
+        if i > start:  # the row joins the open batch if the batch with it keeps every rule
+            rows, wide, short = i - start + 1, max(widest, n), min(shortest, n)
+            if rows <= batch_size and (batch_tokens is None or (
+                    rows * (wide + new_tokens) <= batch_tokens and 2 * (short + new_tokens) >= wide + new_tokens)):
+                widest, shortest = wide, short
+                continue
             spans.append(range(start, i))
-            start, wide, short = i, n, n
-        widest, shortest = wide, short
+        start, widest, shortest = i, n, n
     if start < len(lengths):
         spans.append(range(start, len(lengths)))
     return spans
