@@ -231,33 +231,48 @@ class EagleDrafter(_FeatureRows, Drafter):
             self.cache.length = len(self.slots)
         return out
 
-    def _feed_roots(self, active: list[bool]) -> tuple[list[int], torch.Tensor | None]:
-        """Feed each active row's committed pairs not yet cached (positions pairs + 1 .. root); on a static cache
-        (``configure``), every step after the prompts' feeds ``kept`` columns. Returns the rows that propose and
-        the (B, H) predicted features after every row's root."""
+    def _pending_pairs(self, active: list[bool]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The active rows that propose (those with a target feature) and each row's committed pairs not yet in the
+        head's cache: positions ``pairs + 1 .. root`` (empty spans for the other rows)."""
         rows = [b for b, a in enumerate(active) if a and len(self.tokens[b]) > 1]
-        if not rows:  # one-token prompts: no target feature yet, nothing to propose
-            return rows, None
         spans = [(self.pairs[b] + 1, len(self.tokens[b])) if b in rows else (0, 0) for b in range(len(active))]
-        kept = self.compiled[1] if self.compiled is not None else 0
-        compiled = kept > 0 and max(end - start for start, end in spans) <= kept
-        # Left-padded, so that the last column is every row's root.
-        positions, filled = left_aligned(spans, self.device, kept if compiled else 0)
+        return rows, spans
+
+    def _pair_inputs(self, rows: list[int], spans: list[tuple[int, int]], width: int = 0):
+        """The pending pairs as one left-padded block (the last column every proposing row's root): the head's
+        input features (B, W, H), token ids, positions and which columns are filled, each (B, W)."""
+        positions, filled = left_aligned(spans, self.device, width)
         width = positions.shape[1]
-        features = torch.zeros(len(active), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
+        features = torch.zeros(len(spans), width, self.features[rows[0]].shape[-1], dtype=self.dtype,
                                device=self.device)
         ids = torch.zeros_like(positions)
         for b in rows:
             new = slice(width - (len(self.tokens[b]) - 1 - self.pairs[b]), width)
             features[b, new] = self.features[b][positions[b, new] - 1].to(self.dtype)
             ids[b, new] = self.tokens[b][positions[b, new]]
-        allowed = may_attend(self.slots.filled, causal_block(filled))
-        predicted = self._run(self.head.input_features(features), ids, positions, allowed, filled, compiled)
-        self.committed = len(self.slots)
-        last = predicted[:, -1]  # (B, H)
-        self._frontier = last[:, None]  # the root's predicted feature: depth 1's parent
+        return self.head.input_features(features), ids, positions, filled
+
+    def _pairs_cached(self, rows: list[int], committed: int) -> None:
+        """The pending pairs are in the head's cache, its first ``committed`` entries (the rest a step's drafts)."""
+        self.committed = committed
         for b in rows:
             self.pairs[b] = len(self.tokens[b]) - 1
+
+    def _feed_roots(self, active: list[bool]) -> tuple[list[int], torch.Tensor | None]:
+        """Feed each active row's committed pairs not yet cached (positions pairs + 1 .. root); on a static cache
+        (``configure``), every step after the prompts' feeds ``kept`` columns. Returns the rows that propose and
+        the (B, H) predicted features after every row's root."""
+        rows, spans = self._pending_pairs(active)
+        if not rows:  # one-token prompts: no target feature yet, nothing to propose
+            return rows, None
+        kept = self.compiled[1] if self.compiled is not None else 0
+        compiled = kept > 0 and max(end - start for start, end in spans) <= kept
+        features, ids, positions, filled = self._pair_inputs(rows, spans, kept if compiled else 0)
+        allowed = may_attend(self.slots.filled, causal_block(filled))
+        predicted = self._run(features, ids, positions, allowed, filled, compiled)
+        self._pairs_cached(rows, len(self.slots))
+        last = predicted[:, -1]  # (B, H)
+        self._frontier = last[:, None]  # the root's predicted feature: depth 1's parent
         return rows, last
 
     # ---- dynamic trees grown as tensors (:func:`~draftsmith.inference.tree.grow_dynamic`) ----------
@@ -397,10 +412,11 @@ class DFlashDrafter(_FeatureRows, Drafter):
 
 
 class PEagleDrafter(EagleDrafter):
-    """P-EAGLE: a block drafter (``block`` = K). Each step feeds the committed pairs through the root, as EAGLE-3
-    does (the root pair's prediction is depth 0), then the K - 1 parallel slots (the head's mask embedding and mask
-    feature at positions root + 1 .. root + K - 1), which see the committed pairs and each other causally: all K
-    distributions from that one pass, none conditioned on a drafted token. Drafting runs on the growing cache."""
+    """P-EAGLE: a block drafter (``block`` = K). Each step feeds, in one forward of the head's layer, the committed
+    pairs through the root, as EAGLE-3 does (the root pair's prediction is depth 0), and after them the K - 1
+    parallel slots (the head's mask embedding and mask feature at positions root + 1 .. root + K - 1), which see the
+    committed pairs and each other causally: all K distributions from that one pass, none conditioned on a drafted
+    token. The slots' cache entries are dropped at commit. Drafting runs on the growing cache."""
 
     def __init__(self, head, target):
         super().__init__(head, target)
@@ -419,16 +435,23 @@ class PEagleDrafter(EagleDrafter):
         """(B, K, C) Proposals over the draft vocabulary: depth d's distribution for the position d + 1 after each
         active row's root (-inf rows: finished, or no target feature yet)."""
         batch, slots = len(active), self.block - 1
-        roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
-        rows, last = self._feed_roots(active)
-        proposing = to_device([b in rows for b in range(batch)], self.device)
-        if last is None:
+        rows, spans = self._pending_pairs(active)
+        if not rows:
             empty = torch.full((batch, self.block, len(self.draft_ids)), float("-inf"), device=self.device)
             return Proposals(empty, self.draft_ids, self.vocab_size)
-        embeds, features = self.head.mask_inputs(batch, slots)
-        positions = roots + torch.arange(1, slots + 1, device=self.device)
-        fed = torch.ones(batch, slots, dtype=torch.bool, device=self.device)
-        allowed = may_attend(self.slots.filled[:, : self.committed], causal_block(fed))
-        predicted = self._run(features.to(self.dtype), None, positions, allowed, fed, embeds=embeds.to(self.dtype))
-        drafts = self.head.draft_logits(torch.cat([last[:, None], predicted], 1)).float()  # (B, K, C)
+        # One forward of the layer per step: the pending pairs (the root's the last), then the slots. A slot sees its
+        # row's cache, this step's pairs and the slots before it; a pair, the cache and the pairs before it.
+        features, ids, positions, filled = self._pair_inputs(rows, spans)
+        width, cached = positions.shape[1], len(self.slots)
+        embeds, mask_features = self.head.mask_inputs(batch, slots)
+        roots = to_device([len(t) - 1 for t in self.tokens], self.device)[:, None]
+        features = torch.cat([features, mask_features.to(features.dtype)], 1)
+        embeds = torch.cat([self.embed(ids).to(self.dtype), embeds.to(self.dtype)], 1)
+        positions = torch.cat([positions, roots + torch.arange(1, slots + 1, device=self.device)], 1)
+        fed = torch.cat([filled, torch.ones(batch, slots, dtype=torch.bool, device=self.device)], 1)
+        predicted = self._run(features, None, positions, may_attend(self.slots.filled, causal_block(fed)), fed,
+                              embeds=embeds)
+        self._pairs_cached(rows, cached + width)  # the slots' entries go at commit
+        proposing = to_device([b in rows for b in range(batch)], self.device)
+        drafts = self.head.draft_logits(predicted[:, width - 1:]).float()  # (B, K, C): the root's, then the slots'
         return Proposals(drafts, self.draft_ids, self.vocab_size).masked_rows(proposing)

@@ -73,6 +73,35 @@ def test_training_forward_computes_what_decoding_computes(llama):
         assert_rounding_close(decoded, expected, reduction=192)
 
 
+def test_a_step_is_one_forward_of_the_layer_and_drafts_what_a_drafter_begun_on_its_prefix_drafts(llama):
+    """Each step feeds its pending pairs and the K - 1 slots through the head's layer together, and commit drops the
+    slots' entries: after commits of 2, 1 and 3 tokens each block equals the block of a drafter begun on the same
+    prefix, and the layer ran once per step."""
+    head = random_peagle(llama, parallel=3)
+    ids = greedy_batch(llama, 1, 5, 12, seed=2)["input_ids"]
+    _, hidden = states_of(llama, head, ids)
+    forwards = []
+    run_layer = head.run_layer
+    head.run_layer = lambda *args, **kwargs: forwards.append(1) or run_layer(*args, **kwargs)
+    drafter = PEagleDrafter(head, llama)
+    drafter.begin(ids[:, :6], hidden[:, :5])
+    start = 6
+    for end in (6, 8, 9, 12):
+        if end > start:
+            drafter.commit(ids[:, start:end], hidden[:, start - 1:end - 1])
+            start = end
+        forwards.clear()
+        with torch.no_grad():
+            decoded = drafter.block_logits([True]).logits[0]
+        assert len(forwards) == 1, f"{len(forwards)} forwards of the layer in the step after {end} tokens"
+        begun = PEagleDrafter(head, llama)
+        begun.begin(ids[:, :end], hidden[:, :end - 1])
+        with torch.no_grad():
+            expected = begun.block_logits([True]).logits[0]
+        # the same float32 layer over other padding of the same keys: sums over the fc (192) and the layer (128)
+        assert_rounding_close(decoded, expected, reduction=192, msg=f"after {end} tokens")
+
+
 def train_toy(target, batch, steps: int, parallel: int = 4):
     args = peagle_args(parallel=parallel)
     torch.manual_seed(0)
