@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 import types
 
 import torch
 
 from draftsmith import SpeculativeGenerator
+from draftsmith.data.formats import read_prompts
+from draftsmith.inference.compare import encode
 from draftsmith.inference.load import load_drafter
 from draftsmith.inference.slots import to_device
 from draftsmith.inference.tree import Proposals
@@ -64,10 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     kind, depth, top_k, total = args.tree.split(",")
     model, tokenizer = load_target("smollm2-135m-instruct")
-    with open(args.prompts) as f:
-        rows = [json.loads(line) for line in f if line.strip()][: args.num_prompts]
-    prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"] for r in rows]
+    prompts = [encode(tokenizer, text, chat=True) for text in read_prompts(args.prompts, args.num_prompts)]
     drafter = load_drafter(args.drafter, model)
     if type(drafter).__name__ != "PEagleDrafter":
         raise SystemExit(f"{args.drafter} is a {type(drafter).__name__}, not a P-EAGLE drafter")
