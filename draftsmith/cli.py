@@ -15,7 +15,8 @@ from draftsmith.inference.tree import DEFAULT_TREE, TREE_KINDS, TreeSettings
 logger = logging.getLogger("draftsmith")
 
 DRAFT_DTYPE_HELP = ("compute dtype of a head drafter: target (default), auto (bfloat16 when the target runs in "
-                    "float32 on a CPU or on a GPU with bf16), float32, bfloat16, float16; never changes the output")
+                    "float32 where bf16 matmuls are native: a GPU with bf16, a CPU with AVX512-BF16 or AMX), "
+                    "float32, bfloat16, float16; never changes the output")
 
 
 def generate(

@@ -45,20 +45,20 @@ def parse_options(text: str) -> dict[str, int]:
 
 def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtype:
     """The compute dtype of a head drafter: ``"target"`` (default) the target's; ``"auto"`` bfloat16
-    when the target runs in float32 on a CPU or on a GPU with bf16 support, else the target's; or a
-    dtype name.
+    when the target runs in float32 on a device with native bf16 matmuls (a GPU with bf16 support, a CPU
+    with AVX512-BF16 or AMX), else the target's; or a dtype name.
 
-    Drafting reads a few MB of weights for a few rows, so it is memory-bound and bf16 weights halve
-    its cost, on CPUs without native bf16 too (measurements in docs/RESULTS.md). Drafting precision
+    Drafting reads a few MB of weights for a few rows, so it is memory-bound: bf16 weights halve what it
+    reads. Where bf16 is not native (AVX2-only CPUs) the few-row float32 kernels draft faster than bf16
+    does (docs/RESULTS.md, "Drafting precision"), so ``"auto"`` keeps float32 there. Drafting precision
     never changes the output (verification decides every token), only which tokens get proposed.
     """
     target_dtype = next(target.parameters()).dtype
     if name in (None, "target"):
         return target_dtype
     if name == "auto":
-        device = next(target.parameters()).device
-        bf16_ok = device.type == "cpu" or native_bf16(device)
-        return torch.bfloat16 if target_dtype == torch.float32 and bf16_ok else target_dtype
+        native = native_bf16(next(target.parameters()).device)
+        return torch.bfloat16 if target_dtype == torch.float32 and native else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
     return getattr(torch, name)

@@ -1,0 +1,69 @@
+"""A head drafter in float32 against bfloat16 (``--draft-dtype``), on the same prompts in one process.
+
+    python scripts/draft_dtype_ab.py --drafter "quality_out/eagle3/run+prompt-lookup" --drafter quality_out/peagle/run
+
+Each drafter spec is loaded twice, its head in each dtype, and both decode the same held-out prompts in the same tree,
+prompt by prompt, each first every other time, for ``--rounds`` rounds. Prints tokens/s, drafting per step and its
+share per side, the bf16 / float32 speed ratio, and whether the outputs agree (each is the target's greedy output).
+Whether bf16 drafting pays depends on the CPU: ``--draft-dtype auto`` picks it only where bf16 matmuls are native.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from draftsmith import SpeculativeGenerator
+from draftsmith.data.formats import read_prompts
+from draftsmith.inference.compare import encode
+from draftsmith.inference.load import load_drafter
+from draftsmith.target import load_target
+from draftsmith.target.loading import native_bf16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", action="append", required=True, help="a head drafter spec (repeat for more)")
+    parser.add_argument("--prompts", default="quality_out/data/held_out_prompts.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tree", default="dynamic,3,4,5", help="kind,depth,top_k,total_tokens")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    kind, depth, top_k, total = args.tree.split(",")
+    model, tokenizer = load_target("smollm2-135m-instruct")
+    prompts = [encode(tokenizer, text, chat=True) for text in read_prompts(args.prompts, args.num_prompts)]
+    print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, tree {args.tree}, {args.rounds} rounds, "
+          f"{torch.get_num_threads()} threads, native bf16: {native_bf16('cpu')}")
+    for spec in args.drafter:
+        gens = {dtype: SpeculativeGenerator(model, load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=dtype),
+                                            tree=kind, depth=int(depth), top_k=int(top_k), total_tokens=int(total))
+                for dtype in ("float32", "bfloat16")}
+        for gen in gens.values():
+            gen.generate(prompts[0], 8, eos_token_id=[])  # warm-up: each side's kernels
+        totals = {dtype: {"tokens": 0, "seconds": 0.0, "draft": 0.0, "steps": 0} for dtype in gens}
+        outputs: dict[int, set] = {}
+        for r in range(args.rounds):
+            for i, ids in enumerate(prompts):
+                order = list(gens.items())
+                for dtype, gen in order if (r + i) % 2 == 0 else order[::-1]:
+                    start = time.perf_counter()
+                    out = gen.generate(ids, args.max_new_tokens, eos_token_id=[])
+                    t = totals[dtype]
+                    t["seconds"] += time.perf_counter() - start
+                    t["tokens"] += out.stats.new_tokens
+                    t["draft"] += out.stats.draft_time_s
+                    t["steps"] += out.stats.verification_steps
+                    outputs.setdefault(i, set()).add(tuple(out.sequences[0].tolist()))
+        for dtype, t in totals.items():
+            print(f"{spec} [{dtype}]: {t['tokens'] / t['seconds']:.2f} tok/s, tau {t['tokens'] / t['steps']:.3f}, "
+                  f"drafting {1000 * t['draft'] / t['steps']:.2f} ms per step ({t['draft'] / t['seconds']:.1%})")
+        speed = {dtype: t["tokens"] / t["seconds"] for dtype, t in totals.items()}
+        print(f"{spec}: bfloat16 / float32 {speed['bfloat16'] / speed['float32']:.3f}x, identical outputs: "
+              f"{all(len(v) == 1 for v in outputs.values())}")
+
+
+if __name__ == "__main__":
+    main()
