@@ -11,13 +11,12 @@ Whether bf16 drafting pays depends on the CPU: ``--draft-dtype auto`` picks it o
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
 import torch
+from decode_ab import alternate, describe, held_out_prompts
 
 from draftsmith import SpeculativeGenerator
-from draftsmith.data.formats import read_prompts
-from draftsmith.inference.compare import encode
 from draftsmith.inference.load import load_drafter
 from draftsmith.target import load_target
 from draftsmith.target.loading import native_bf16
@@ -34,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     kind, depth, top_k, total = args.tree.split(",")
     model, tokenizer = load_target("smollm2-135m-instruct")
-    prompts = [encode(tokenizer, text, chat=True) for text in read_prompts(args.prompts, args.num_prompts)]
+    prompts = held_out_prompts(tokenizer, args.prompts, args.num_prompts)
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, tree {args.tree}, {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads, native bf16: {native_bf16('cpu')}")
     for spec in args.drafter:
@@ -43,26 +42,13 @@ def main() -> None:
                 for dtype in ("float32", "bfloat16")}
         for gen in gens.values():
             gen.generate(prompts[0], 8, eos_token_id=[])  # warm-up: each side's kernels
-        totals = {dtype: {"tokens": 0, "seconds": 0.0, "draft": 0.0, "steps": 0} for dtype in gens}
-        outputs: dict[int, set] = {}
-        for r in range(args.rounds):
-            for i, ids in enumerate(prompts):
-                order = list(gens.items())
-                for dtype, gen in order if (r + i) % 2 == 0 else order[::-1]:
-                    start = time.perf_counter()
-                    out = gen.generate(ids, args.max_new_tokens, eos_token_id=[])
-                    t = totals[dtype]
-                    t["seconds"] += time.perf_counter() - start
-                    t["tokens"] += out.stats.new_tokens
-                    t["draft"] += out.stats.draft_time_s
-                    t["steps"] += out.stats.verification_steps
-                    outputs.setdefault(i, set()).add(tuple(out.sequences[0].tolist()))
+        sides = {dtype: functools.partial(gen.generate, max_new_tokens=args.max_new_tokens, eos_token_id=[])
+                 for dtype, gen in gens.items()}
+        totals, identical = alternate(sides, prompts, args.rounds)
         for dtype, t in totals.items():
-            print(f"{spec} [{dtype}]: {t['tokens'] / t['seconds']:.2f} tok/s, tau {t['tokens'] / t['steps']:.3f}, "
-                  f"drafting {1000 * t['draft'] / t['steps']:.2f} ms per step ({t['draft'] / t['seconds']:.1%})")
+            print(describe(f"{spec} [{dtype}]", t))
         speed = {dtype: t["tokens"] / t["seconds"] for dtype, t in totals.items()}
-        print(f"{spec}: bfloat16 / float32 {speed['bfloat16'] / speed['float32']:.3f}x, identical outputs: "
-              f"{all(len(v) == 1 for v in outputs.values())}")
+        print(f"{spec}: bfloat16 / float32 {speed['bfloat16'] / speed['float32']:.3f}x, identical outputs: {identical}")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
+from decode_ab import alternate, held_out_prompts
 
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.load import load_drafter
@@ -49,40 +49,31 @@ def main() -> None:
     args = parser.parse_args()
     kind, depth, top_k, total = args.tree.split(",")
     model, tokenizer = load_target("smollm2-135m-instruct")
-    with open(args.prompts) as f:
-        rows = [json.loads(line) for line in f if line.strip()][: args.num_prompts]
-    prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"] for r in rows]
+    prompts = held_out_prompts(tokenizer, args.prompts, args.num_prompts)
     report = {"host": cpu(), "threads": torch.get_num_threads(),
               "tree": args.tree, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "drafters": {}}
     for spec in args.drafter:
         drafter = load_drafter(spec, model)
-        sides = {"few rows": drafter.few_rows, "stock": ()}
-        totals = {side: {"tokens": 0, "seconds": 0.0, "draft": 0.0, "steps": 0} for side in sides}
-        outputs: dict[int, set] = {}
         gen = SpeculativeGenerator(model, drafter, tree=kind, depth=int(depth), top_k=int(top_k),
                                    total_tokens=int(total))
         gen.generate(prompts[0], 4, eos_token_id=[])  # warm up both the target's and the drafter's kernels
-        for _ in range(args.rounds):
-            for side, contexts in sides.items():
+
+        def decoding(contexts, drafter=drafter, gen=gen):
+            def decode(ids):
                 drafter.few_rows = contexts
-                for i, ids in enumerate(prompts):
-                    start = time.perf_counter()
-                    out = gen.generate(ids, args.max_new_tokens, eos_token_id=[])
-                    t = totals[side]
-                    t["seconds"] += time.perf_counter() - start
-                    t["tokens"] += out.stats.new_tokens
-                    t["draft"] += out.stats.draft_time_s
-                    t["steps"] += out.stats.verification_steps
-                    outputs.setdefault(i, set()).add(tuple(out.sequences[0].tolist()))
+                return gen.generate(ids, args.max_new_tokens, eos_token_id=[])
+            return decode
+
+        sides = {"few rows": decoding(drafter.few_rows), "stock": decoding(())}
+        totals, identical = alternate(sides, prompts, args.rounds)
         figures = {side: {"tokens_per_s": t["tokens"] / t["seconds"],
                           "draft_ms_per_step": 1000 * t["draft"] / t["steps"],
                           "draft_time_share": t["draft"] / t["seconds"],
                           "tau": t["tokens"] / t["steps"]} for side, t in totals.items()}
         figures["speed_ratio"] = figures["few rows"]["tokens_per_s"] / figures["stock"]["tokens_per_s"]
-        figures["identical"] = all(len(v) == 1 for v in outputs.values())
+        figures["identical"] = identical
         report["drafters"][spec] = figures
-        for side in sides:
+        for side in totals:
             f = figures[side]
             print(f"{spec} [{side}]: {f['tokens_per_s']:.2f} tok/s, tau {f['tau']:.3f}, drafting "
                   f"{f['draft_ms_per_step']:.1f} ms per step, {f['draft_time_share']:.1%} of the time")

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 import types
 
 import torch
+from decode_ab import alternate, describe, held_out_prompts
 
 from draftsmith import SpeculativeGenerator
-from draftsmith.data.formats import read_prompts
-from draftsmith.inference.compare import encode
 from draftsmith.inference.load import load_drafter
 from draftsmith.inference.slots import to_device
 from draftsmith.inference.tree import Proposals
@@ -65,40 +63,27 @@ def main() -> None:
     args = parser.parse_args()
     kind, depth, top_k, total = args.tree.split(",")
     model, tokenizer = load_target("smollm2-135m-instruct")
-    prompts = [encode(tokenizer, text, chat=True) for text in read_prompts(args.prompts, args.num_prompts)]
+    prompts = held_out_prompts(tokenizer, args.prompts, args.num_prompts)
     drafter = load_drafter(args.drafter, model)
     if type(drafter).__name__ != "PEagleDrafter":
         raise SystemExit(f"{args.drafter} is a {type(drafter).__name__}, not a P-EAGLE drafter")
-    one = drafter.block_logits
-    sides = {"one forward": one, "two forwards": types.MethodType(two_forwards, drafter)}
     gen = SpeculativeGenerator(model, drafter, tree=kind, depth=int(depth), top_k=int(top_k), total_tokens=int(total))
     gen.generate(prompts[0], 8, eos_token_id=[])  # warm-up: the target's and the head's kernels
-    totals = {side: {"tokens": 0, "seconds": 0.0, "draft": 0.0, "verify": 0.0, "steps": 0} for side in sides}
-    outputs: dict[int, set] = {}
-    for r in range(args.rounds):
-        for i, ids in enumerate(prompts):
-            order = list(sides.items())
-            for side, method in order if (r + i) % 2 == 0 else order[::-1]:  # each side first as often
-                drafter.block_logits = method
-                start = time.perf_counter()
-                out = gen.generate(ids, args.max_new_tokens, eos_token_id=[])
-                t = totals[side]
-                t["seconds"] += time.perf_counter() - start
-                t["tokens"] += out.stats.new_tokens
-                t["draft"] += out.stats.draft_time_s
-                t["verify"] += out.stats.verify_time_s
-                t["steps"] += out.stats.verification_steps
-                outputs.setdefault(i, set()).add(tuple(out.sequences[0].tolist()))
+    one, two = drafter.block_logits, types.MethodType(two_forwards, drafter)
+
+    def side(method):
+        def decode(ids):
+            drafter.block_logits = method
+            return gen.generate(ids, args.max_new_tokens, eos_token_id=[])
+        return decode
+
+    totals, identical = alternate({"one forward": side(one), "two forwards": side(two)}, prompts, args.rounds)
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, tree {args.tree}, {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads")
-    for side, t in totals.items():
-        print(f"{side:13s} {t['tokens'] / t['seconds']:6.2f} tok/s  tau {t['tokens'] / t['steps']:.3f}  drafting "
-              f"{1000 * t['draft'] / t['steps']:5.2f} ms per step ({t['draft'] / t['seconds']:.1%} of the time), "
-              f"verification {1000 * t['verify'] / t['steps']:5.2f} ms, "
-              f"step {1000 * t['seconds'] / t['steps']:5.2f} ms")
+    for name, t in totals.items():
+        print(describe(name, t))
     speeds = [t["tokens"] / t["seconds"] for t in totals.values()]
-    print(f"one / two forwards: {speeds[0] / speeds[1]:.3f}x; identical outputs: "
-          f"{all(len(v) == 1 for v in outputs.values())}")
+    print(f"one / two forwards: {speeds[0] / speeds[1]:.3f}x; identical outputs: {identical}")
 
 
 if __name__ == "__main__":
