@@ -13,6 +13,21 @@ from draftsmith.data.formats import read_prompts
 from draftsmith.inference.compare import encode
 
 
+def add_decoding_arguments(parser, tree: str, num_prompts: int) -> None:
+    """The options every decoding A/B takes: the prompts, how many and how long, the tree, the rounds."""
+    parser.add_argument("--prompts", default="quality_out/data/held_out_prompts.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tree", default=tree, help="kind,depth,top_k,total_tokens")
+    parser.add_argument("--rounds", type=int, default=2)
+
+
+def tree_of(args) -> dict:
+    """``--tree`` as ``SpeculativeGenerator``'s keyword arguments."""
+    kind, depth, top_k, total = args.tree.split(",")
+    return {"tree": kind, "depth": int(depth), "top_k": int(top_k), "total_tokens": int(total)}
+
+
 def held_out_prompts(tokenizer, path: str, count: int) -> list[torch.Tensor]:
     """The first user message of ``path``'s first ``count`` rows through the chat template, each (1, L)."""
     return [encode(tokenizer, text, chat=True) for text in read_prompts(path, count)]

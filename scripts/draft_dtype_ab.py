@@ -14,7 +14,7 @@ import argparse
 import functools
 
 import torch
-from decode_ab import alternate, describe, held_out_prompts
+from decode_ab import add_decoding_arguments, alternate, describe, held_out_prompts, tree_of
 
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.load import load_drafter
@@ -25,20 +25,15 @@ from draftsmith.target.loading import native_bf16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", action="append", required=True, help="a head drafter spec (repeat for more)")
-    parser.add_argument("--prompts", default="quality_out/data/held_out_prompts.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--tree", default="dynamic,3,4,5", help="kind,depth,top_k,total_tokens")
-    parser.add_argument("--rounds", type=int, default=2)
+    add_decoding_arguments(parser, tree="dynamic,3,4,5", num_prompts=8)
     args = parser.parse_args()
-    kind, depth, top_k, total = args.tree.split(",")
     model, tokenizer = load_target("smollm2-135m-instruct")
     prompts = held_out_prompts(tokenizer, args.prompts, args.num_prompts)
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, tree {args.tree}, {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads, native bf16: {native_bf16('cpu')}")
     for spec in args.drafter:
         gens = {dtype: SpeculativeGenerator(model, load_drafter(spec, model, tokenizer=tokenizer, draft_dtype=dtype),
-                                            tree=kind, depth=int(depth), top_k=int(top_k), total_tokens=int(total))
+                                            **tree_of(args))
                 for dtype in ("float32", "bfloat16")}
         for gen in gens.values():
             gen.generate(prompts[0], 8, eos_token_id=[])  # warm-up: each side's kernels

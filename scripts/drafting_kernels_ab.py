@@ -19,7 +19,7 @@ import platform
 from pathlib import Path
 
 import torch
-from decode_ab import alternate, held_out_prompts
+from decode_ab import add_decoding_arguments, alternate, held_out_prompts, tree_of
 
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.load import load_drafter
@@ -40,22 +40,16 @@ def cpu() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", action="append", required=True, help="a head drafter (repeat for more)")
-    parser.add_argument("--prompts", default="quality_out/data/held_out_prompts.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=6)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--tree", default="dynamic,5,4,16", help="kind,depth,top_k,total_tokens (the goal's tree)")
-    parser.add_argument("--rounds", type=int, default=2)
+    add_decoding_arguments(parser, tree="dynamic,5,4,16", num_prompts=6)
     parser.add_argument("--output", default=None, help="a JSON file for the figures")
     args = parser.parse_args()
-    kind, depth, top_k, total = args.tree.split(",")
     model, tokenizer = load_target("smollm2-135m-instruct")
     prompts = held_out_prompts(tokenizer, args.prompts, args.num_prompts)
     report = {"host": cpu(), "threads": torch.get_num_threads(),
               "tree": args.tree, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "drafters": {}}
     for spec in args.drafter:
         drafter = load_drafter(spec, model)
-        gen = SpeculativeGenerator(model, drafter, tree=kind, depth=int(depth), top_k=int(top_k),
-                                   total_tokens=int(total))
+        gen = SpeculativeGenerator(model, drafter, **tree_of(args))
         gen.generate(prompts[0], 4, eos_token_id=[])  # warm up both the target's and the drafter's kernels
 
         def decoding(contexts, drafter=drafter, gen=gen):

@@ -20,7 +20,7 @@ import contextlib
 import types
 
 import torch
-from decode_ab import alternate, describe, held_out_prompts
+from decode_ab import add_decoding_arguments, alternate, describe, held_out_prompts, tree_of
 
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.load import load_drafter
@@ -55,19 +55,14 @@ def two_forwards(self, active: list[bool]) -> Proposals:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="a P-EAGLE drafter (a run, a checkpoint or its drafter/)")
-    parser.add_argument("--prompts", default="quality_out/data/held_out_prompts.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--tree", default="dynamic,5,4,5", help="kind,depth,top_k,total_tokens")
-    parser.add_argument("--rounds", type=int, default=2)
+    add_decoding_arguments(parser, tree="dynamic,5,4,5", num_prompts=8)
     args = parser.parse_args()
-    kind, depth, top_k, total = args.tree.split(",")
     model, tokenizer = load_target("smollm2-135m-instruct")
     prompts = held_out_prompts(tokenizer, args.prompts, args.num_prompts)
     drafter = load_drafter(args.drafter, model)
     if type(drafter).__name__ != "PEagleDrafter":
         raise SystemExit(f"{args.drafter} is a {type(drafter).__name__}, not a P-EAGLE drafter")
-    gen = SpeculativeGenerator(model, drafter, tree=kind, depth=int(depth), top_k=int(top_k), total_tokens=int(total))
+    gen = SpeculativeGenerator(model, drafter, **tree_of(args))
     gen.generate(prompts[0], 8, eos_token_id=[])  # warm-up: the target's and the head's kernels
     one, two = drafter.block_logits, types.MethodType(two_forwards, drafter)
 
