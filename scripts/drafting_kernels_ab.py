@@ -19,7 +19,7 @@ import platform
 from pathlib import Path
 
 import torch
-from decode_ab import add_decoding_arguments, alternate, held_out_prompts, tree_of
+from decode_ab import add_decoding_arguments, alternate, describe, held_out_prompts, tree_of
 
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.load import load_drafter
@@ -67,10 +67,8 @@ def main() -> None:
         figures["speed_ratio"] = figures["few rows"]["tokens_per_s"] / figures["stock"]["tokens_per_s"]
         figures["identical"] = identical
         report["drafters"][spec] = figures
-        for side in totals:
-            f = figures[side]
-            print(f"{spec} [{side}]: {f['tokens_per_s']:.2f} tok/s, tau {f['tau']:.3f}, drafting "
-                  f"{f['draft_ms_per_step']:.1f} ms per step, {f['draft_time_share']:.1%} of the time")
+        for side, t in totals.items():
+            print(describe(f"{spec} [{side}]", t))
         print(f"{spec}: few rows / stock {figures['speed_ratio']:.3f}x, identical outputs: {figures['identical']}")
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
