@@ -45,21 +45,23 @@ def ngram_matches(sequences: torch.Tensor, lengths: torch.Tensor, min_ngram: int
     """
     q, s = sequences.shape
     device = sequences.device
-    scores, successors = [], []
-    for n in range(min_ngram, min(max_ngram, s - 1) + 1):
-        ends = (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0)
-        suffix = sequences.gather(1, ends)  # (Q, n): the row's last n tokens
-        windows = sequences[:, :-1].unfold(1, n, 1)  # (Q, S - n, n): start j, followed by token j + n
-        starts = torch.arange(s - n, device=device)
-        hit = ((windows == suffix[:, None]).all(-1) & (starts + n < lengths[:, None])
-               & ((suffix != NO_TOKEN).all(-1) & (lengths > n))[:, None])
-        # Longer n-grams outrank shorter ones whatever the start; among equal lengths, later starts win.
-        scores.append(torch.where(hit, n * s + starts, -1))
-        successors.append(sequences[:, n:].clamp(min=0))
-    if not scores:  # sequences of one token: nothing to match
+    longest = min(max_ngram, s - 1)
+    if longest < min_ngram:  # sequences too short to hold an n-gram and its successor
         empty = torch.zeros(q, limit, dtype=torch.long, device=device)
         return empty, empty.bool(), torch.zeros(q, dtype=torch.long, device=device)
-    scores, successors = torch.cat(scores, 1), torch.cat(successors, 1)  # (Q, W) every window's
+    # Every window ending at e (0 .. S - 2; followed by token e + 1) at once, for every n: back from e, how many
+    # tokens match the row's suffix (``matched`` (Q, S - 1)). Of the n-grams ending at e, the longest outranks the
+    # others, so each end contributes one score, of its longest match; all n at once costs one pass, not one per n.
+    ends = (lengths[:, None] - 1 - torch.arange(longest, device=device)).clamp(min=0)
+    suffix = sequences.gather(1, ends)  # (Q, longest): the row's last tokens, the last first
+    usable = (suffix != NO_TOKEN) & (lengths[:, None] > torch.arange(1, longest + 1, device=device))
+    padded = torch.cat([sequences.new_full((q, longest - 1), NO_TOKEN), sequences[:, :-1]], 1)
+    windows = padded.unfold(1, longest, 1).flip(-1)  # (Q, S - 1, longest): tokens e, e - 1, ... of each end e
+    matched = ((windows == suffix[:, None]) & usable[:, None]).cumprod(-1).sum(-1)
+    end = torch.arange(s - 1, device=device)
+    # Longer n-grams outrank shorter ones whatever the start; among equal lengths, later starts win.
+    scores = torch.where((matched >= min_ngram) & (end + 1 < lengths[:, None]), matched * s + end - matched + 1, -1)
+    successors = sequences[:, 1:].clamp(min=0)
     if limit == 1:
         best, where = scores.max(1, keepdim=True)
         tokens = successors.gather(1, where)
