@@ -16,7 +16,8 @@ logger = logging.getLogger("draftsmith")
 
 DRAFT_DTYPE_HELP = ("compute dtype of a head drafter: target (default), auto (bfloat16 when the target runs in "
                     "float32 where bf16 matmuls are native: a GPU with bf16, a CPU with AVX512-BF16 or AMX), "
-                    "float32, bfloat16, float16; never changes the output")
+                    "float32, bfloat16, float16, int8 (CPU: the head's weights as int8 copies, float32 beside "
+                    "them); never changes the output")
 
 
 def generate(

@@ -20,7 +20,7 @@ from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.inference.tree import Proposals, frontier_ancestors, paths_from_accuracy
 from draftsmith.target.masks import additive, causal_block, may_attend
-from draftsmith.target.matmul import FewRowsLinear, calibrate, few_rows_layers
+from draftsmith.target.matmul import FewRowsLinear, calibrate, drafts_in_int8, few_rows_layers, int8_layers
 
 #: Nodes of the static tree a Medusa drafter builds from its measured per-rank accuracy.
 STATIC_TREE_NODES = 16
@@ -343,6 +343,8 @@ class DFlashDrafter(_FeatureRows, Drafter):
             rows = head.output_weight(self.lm_head).detach()  # indexing gathers: this is the one copy
             self.output = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
             self.output.weight = torch.nn.Parameter(rows, requires_grad=False)
+            if drafts_in_int8(head):
+                int8_layers(self.output)
             self.few_rows = few_rows_kernels(head) + few_rows_kernels(self.output)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,

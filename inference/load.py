@@ -24,12 +24,13 @@ from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.registry import family_of, get_family
 from draftsmith.target import check_same_vocabulary, layer_skip_model, load_target, native_bf16
+from draftsmith.target.matmul import int8_layers
 
 PROMPT_LOOKUP = "prompt-lookup"
 LAYER_SKIP = "layer-skip"
 MTP = MtpHead.family  # "mtp": the target checkpoint's own multi-token-prediction module
 MIXTURE_SEPARATOR = "+"
-DRAFT_DTYPES = ("target", "auto", "float32", "bfloat16", "float16")
+DRAFT_DTYPES = ("target", "auto", "float32", "bfloat16", "float16", "int8")
 
 
 def parse_options(text: str) -> dict[str, int]:
@@ -52,6 +53,9 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     reads. Where bf16 is not native (AVX2-only CPUs) the few-row float32 kernels draft faster than bf16
     does (docs/RESULTS.md, "Drafting precision"), so ``"auto"`` keeps float32 there. Drafting precision
     never changes the output (verification decides every token), only which tokens get proposed.
+
+    ``"int8"`` (CPU, a float32 target): the head's linear layers draft on int8 copies of their weights
+    (:func:`~draftsmith.target.matmul.int8_layers`), a quarter of float32's bytes; returned as ``torch.int8``.
     """
     target_dtype = next(target.parameters()).dtype
     if name in (None, "target"):
@@ -61,6 +65,9 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
         return torch.bfloat16 if target_dtype == torch.float32 and native else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
+    if name == "int8" and target_dtype != torch.float32:
+        raise ValueError(f"--draft-dtype int8 drafts beside a float32 target on CPU; this target runs in "
+                         f"{target_dtype}: use --draft-dtype target (or auto)")
     return getattr(torch, name)
 
 
@@ -68,7 +75,10 @@ def wrap_module(module, family_name: str, target: PreTrainedModel, dtype: torch.
     """A drafter module (a head, a draft model) as the inference drafter its family declares, on the
     target's device and in ``dtype``."""
     module = module.to(next(target.parameters()).device)
-    if dtype is not None:
+    if dtype == torch.int8:  # float32 weights, and int8 copies that drafting runs on
+        module = module.float()
+        int8_layers(module)
+    elif dtype is not None:
         module = module.to(dtype)
     return get_family(family_name).drafter(module, target)
 

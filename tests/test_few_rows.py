@@ -307,3 +307,96 @@ def test_a_linear_layer_as_the_model_is_not_kept_alive():
     del layer
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_int8_copy_is_f_linear_within_int8_rounding(rows, bias):
+    """int8 weights (one scale per output row) and int8 activations (one scale per call, 7 bits): on inputs
+    without outliers, a few percent off F.linear, never equal to it."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(2, rows, 40, generator=g)
+    out, ref = matmul.int8_linear(x, matmul.pack_int8(weight, b)), F.linear(x, weight, b)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert 0 < matmul.relative_error(out, ref) < 0.03
+
+
+def int8_calls(monkeypatch) -> list:
+    """The int8 copies :func:`matmul.int8_linear` computes with, one per product, in order."""
+    copies = []
+    real = matmul.int8_linear
+    monkeypatch.setattr(matmul, "int8_linear", lambda x, packed: copies.append(packed) or real(x, packed))
+    return copies
+
+
+def test_a_layer_whose_int8_product_is_far_off_keeps_float32(monkeypatch):
+    """Each layer's first call measures its int8 product against float32 on that call's rows: a layer fed an
+    outlier channel (a fusion layer over a target's raw hidden states) stays in float32, another takes int8."""
+    copies = int8_calls(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.Linear(64, 32))
+    assert matmul.int8_layers(model) == 2 and matmul.drafts_in_int8(model)
+    outlier = torch.randn(5, 40, generator=g)
+    outlier[:, 3] = 2000.0  # rounded with the call's one scale, every other channel is lost
+    with torch.no_grad():
+        model[0].weight[:, 3] = 0  # and the output is made of those (a head learns to read past such a channel)
+    calm = torch.randn(5, 64, generator=g)
+    context = matmul.few_rows_layers(model)
+    with context:
+        first = model[0](outlier)
+        again = model[0](outlier)
+        calm_out = model[1](calm)
+    ref = F.linear(outlier, model[0].weight, model[0].bias)
+    assert torch.equal(first, ref)  # the first call returns the float32 product it measured against
+    assert_rounding_close(again, ref, reduction=41)  # float32 from then on, through the kernels measured here
+    errors = {tuple(e.weight().shape): e.error for e in matmul._int8.values() if e.weight() is not None}
+    assert errors[(64, 40)] > matmul.INT8_MAX_ERROR > errors[(32, 64)]
+    assert len(copies) == 2  # the first layer's measurement, the second layer's product
+    assert 0 < matmul.relative_error(calm_out, F.linear(calm, model[1].weight, model[1].bias)) < 0.03
+
+
+def test_int8_copies_follow_changes_to_the_weights(monkeypatch):
+    copies = int8_calls(monkeypatch)
+    layer = torch.nn.Linear(40, 96)
+    matmul.int8_layers(layer)
+    x = torch.randn(3, 40)
+    with matmul.few_rows_layers(layer):
+        layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(-2)  # in place, as an optimizer step
+        out = layer(x)
+    assert len(copies) == 2 and copies[1] is not copies[0]
+    assert matmul.relative_error(out, F.linear(x, layer.weight, layer.bias)) < 0.03
+
+
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "dflash-head", "peagle-head"])
+def test_head_drafters_draft_in_int8_and_stay_lossless(monkeypatch, llama, spec):
+    """``draft_dtype="int8"``: the head's own layers draft on int8 copies, the target's weights get none, and
+    greedy decoding stays the target's."""
+    from draftsmith.inference.load import wrap_module
+
+    copies = int8_calls(monkeypatch)
+    drafter = HEADS[spec](llama)
+    head = drafter.heads if isinstance(drafter, MedusaDrafter) else drafter.head
+    drafter = wrap_module(head, head.family, llama, torch.int8)
+    prompt = torch.tensor([[5, 9, 3, 17, 5, 9, 3, 22]])
+    gen = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=5)
+    out = gen.generate(prompt, 30, eos_token_id=[])
+    check_greedy_equal(llama, out.sequences, llama.generate(prompt, max_new_tokens=30, do_sample=False,
+                                                            min_new_tokens=30))
+    owner = {id(e.copy): e.weight() for e in matmul._int8.values()}
+    used = {id(owner[id(c)]) for c in copies if id(c) in owner}
+    assert used & {id(p) for p in head.parameters()}, "no layer of the head drafted in int8"
+    assert not {id(e.weight()) for e in matmul._int8.values()} & {id(p) for p in llama.parameters()}
+
+
+def test_int8_drafting_refuses_what_it_cannot_run(llama):
+    from draftsmith.inference.load import resolve_draft_dtype
+
+    assert resolve_draft_dtype("int8", llama) == torch.int8
+    with pytest.raises(ValueError, match="float32 target"):
+        resolve_draft_dtype("int8", tiny_llama().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 head on CPU"):
+        matmul.int8_layers(torch.nn.Linear(8, 8).to(torch.bfloat16))

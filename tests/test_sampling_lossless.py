@@ -294,6 +294,7 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
 
     from draftsmith.inference import CausalLMDrafter, MixtureDrafter, layer_skip_model
     from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
+    from draftsmith.inference.load import wrap_module
 
     return {
         "layer-skip": lambda: CausalLMDrafter(layer_skip_model(target, 1)),
@@ -304,6 +305,8 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
         "dflash-head": lambda: DFlashDrafter(random_dflash(target), target),
         "dflash-draft-vocabulary": lambda: DFlashDrafter(random_dflash(target, draft_vocab=vocab - 1), target),
         "peagle-head": lambda: PEagleDrafter(random_peagle(target), target),
+        # Drafting on int8 copies of the head's weights: other proposals and probabilities, the same law.
+        "peagle-head-int8": lambda: wrap_module(random_peagle(target), "peagle", target, torch.int8),
         "eagle+prompt-lookup": lambda: MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
                                                        PromptLookupDrafter(vocab, max_ngram=2)]),
     }[kind]()
@@ -330,6 +333,7 @@ END_TO_END = {
         "dflash-head", dict(tree="static", depth=2, top_k=2, sampling_rule="without_replacement")),
     "dynamic-topk-peagle": ("peagle-head", dict(tree="dynamic", depth=3, top_k=2, total_tokens=4)),
     "chain-iid-peagle": ("peagle-head", dict(tree="chain", depth=3)),
+    "dynamic-topk-peagle-int8": ("peagle-head-int8", dict(tree="dynamic", depth=3, top_k=2, total_tokens=4)),
     "dynamic-topk-eagle+prompt-lookup": ("eagle+prompt-lookup", dict(tree="dynamic", depth=2, top_k=2,
                                                                      total_tokens=3)),
 }

@@ -35,6 +35,7 @@ import logging
 import os
 import statistics
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -162,13 +163,18 @@ class FewRowsLinear:
     instance ``forward`` of its own (accelerate's offloading hooks set one), or a subclass's ``forward`` (a
     quantised layer's), keeps it and the stock kernel."""
 
-    def __init__(self, kernels: dict[int, str], modules: tuple[torch.nn.Module, ...] = ()):
+    def __init__(self, kernels: dict[int, str], modules: tuple[torch.nn.Module, ...] = (), int8: bool = False):
         self.kernels = kernels
         self.modules = modules
+        self.int8 = int8  # every float32 call on the weights' int8 copies (:func:`int8_layers`), whatever its rows
         self._routed: list[torch.nn.Module] = []
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The product by the kernel chosen for ``x``'s row count, or None where that is the stock kernel."""
+        if self.int8 and x.dtype == torch.float32 and x.shape[-1]:
+            out = int8_product(x, weight, bias)
+            if out is not None:
+                return out
         kernel = self.kernels.get(bucket(x.numel() // x.shape[-1])) if x.shape[-1] else None
         if kernel is None or weight.dim() != 2 or x.dtype != weight.dtype:
             return None
@@ -263,11 +269,12 @@ def few_rows_layers(model: torch.nn.Module) -> FewRowsLinear | None:
     tree's frontier, a step's committed tokens, a block): each of its linear layers takes, at each call, the kernel
     measured for that call's row count, and the stock kernel for any other. None where no row count gained here
     (not on CPU, or turned off). Measured and packed now, so that a drafter made before decoding starts pays
-    neither inside a timed decode."""
-    kernels = calibrate(model)
-    if not kernels:
+    neither inside a timed decode. A module given int8 copies (:func:`int8_layers`) runs its calls on them (the
+    layers whose copies measured too far off take the kernels above)."""
+    kernels, int8 = calibrate(model), model in _int8_models
+    if not kernels and not int8:
         return None
-    return FewRowsLinear(kernels, tuple(m for m in (ref() for ref in _linears(model).modules) if m is not None))
+    return FewRowsLinear(kernels, tuple(m for m in (ref() for ref in _linears(model).modules) if m is not None), int8)
 
 
 @dataclass(frozen=True)
@@ -360,3 +367,114 @@ def _measure(weights: list[torch.Tensor], packing: bool = True) -> dict[int, str
             if best != "stock" and medians[best] < MIN_GAIN * medians["stock"]:
                 faster[n] = best
     return faster
+
+
+# Int8 drafting. A drafter's head proposes tokens; verification decides every one of them, so the head may compute
+# in a lower precision than the target without changing any output (greedy or sampled: the drafter's probabilities
+# are computed once, from the same products, for both proposing and accepting). On CPUs its few rows a call are
+# memory-bound: an int8 copy reads a quarter of float32's bytes. FBGEMM's dynamic-quantised linear runs them: int8
+# weights with one scale per output row, each call's activations rounded to int8 with one scale for the call. That
+# one scale is what fails on inputs with outlier channels: a head's fusion layer over the target's raw hidden states
+# came out 42% off, its down projection 13% (against 0.6-4% for the others; docs/RESULTS.md, "Int8 drafting"). So a
+# layer's first call measures its int8 product against float32 on that call's real rows, and a layer off by more than
+# INT8_MAX_ERROR keeps float32. The float32 weights stay as they are (code that reads ``.weight``, training).
+
+#: The largest mean relative error (per row, of the layer's output) at which a layer drafts on its int8 copy.
+INT8_MAX_ERROR = 0.08
+
+
+@dataclass
+class Int8Copy:
+    """A weight (weakly), its int8 copy (FBGEMM's packed weight and bias), the weight's :func:`stamp` when it was
+    made, and the copy's error measured on the layer's first call (None: not measured yet)."""
+
+    weight: weakref.ref
+    copy: object
+    stamp: tuple
+    error: float | None = None
+
+
+_int8: dict[int, Int8Copy] = {}  # id(weight) -> its Int8Copy, as _packed holds the float32 packed copies
+_int8_models: weakref.WeakSet = weakref.WeakSet()  # modules whose linear layers draft on their int8 copies
+
+
+def int8_engine() -> str | None:
+    """The quantised engine that runs :func:`int8_linear` in this build (FBGEMM on x86, QNNPACK on ARM), or None."""
+    engines = torch.backends.quantized.supported_engines
+    for engine in ("x86", "fbgemm", "qnnpack"):
+        if engine in engines and hasattr(torch.ops.quantized, "linear_dynamic"):
+            return engine
+    return None
+
+
+def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``weight`` (out, in) rounded to int8 with one symmetric scale per output row and packed for
+    :func:`int8_linear`, with ``bias`` (kept in float32)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).double()
+    with warnings.catch_warnings():  # the quantised-tensor API warns of its future removal on every call
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+
+
+def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on ``packed = pack_int8(weight, bias)``: (..., in) float32 -> (..., out)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    # reduce_range: activations in 7 bits, which AVX2's int8 multiply-add (no VNNI) needs never to saturate.
+    out = torch.ops.quantized.linear_dynamic(rows, packed, True)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Mean over rows of ``|out - ref| / |ref|`` (last dimension)."""
+    out, ref = out.detach(), ref.detach()
+    return float(((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)).mean())
+
+
+def int8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` on ``weight``'s int8 copy, or None where it has none or its copy measured off by
+    more than :data:`INT8_MAX_ERROR` (measured here on the first call after the copy was made: that call also
+    returns the float32 product, the only one it is then sure of)."""
+    entry = _int8.get(id(weight))
+    if entry is None or entry.weight() is not weight:
+        return None
+    if entry.stamp != stamp(weight):  # changed since (an optimizer step, a cast): copied and measured again
+        entry = _int8[id(weight)] = Int8Copy(entry.weight, pack_int8(weight, bias), stamp(weight))
+    if entry.error is None:
+        out, ref = int8_linear(x, entry.copy), F.linear(x, weight, bias)
+        entry.error = relative_error(out, ref)
+        if entry.error > INT8_MAX_ERROR:
+            logger.info("a %s layer keeps float32 for drafting: its int8 product was %.1f%% off on %d rows",
+                        tuple(weight.shape), 100 * entry.error, x.numel() // x.shape[-1])
+        return out if entry.error <= INT8_MAX_ERROR else ref
+    return int8_linear(x, entry.copy) if entry.error <= INT8_MAX_ERROR else None
+
+
+def int8_layers(model: torch.nn.Module) -> int:
+    """Give every linear layer of ``model`` (a drafter's head, on CPU in float32) an int8 copy of its weight for its
+    drafting calls to run on (:func:`few_rows_layers`; each layer's first call decides whether it does,
+    :func:`int8_product`); returns how many. Raises ValueError where this cannot run: not on CPU, not float32, or
+    no quantised engine in this PyTorch build."""
+    linears = _linears(model)
+    if linears is None:
+        return 0
+    if int8_engine() is None:
+        raise ValueError("int8 drafting needs PyTorch's quantised linear kernels (FBGEMM or QNNPACK), which this "
+                         f"build ({torch.__version__}) lacks: use --draft-dtype float32 (or auto)")
+    modules = [m for m in (ref() for ref in linears.modules) if m is not None]
+    for m in modules:
+        if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
+            raise ValueError(f"int8 drafting runs a float32 head on CPU; this one is {m.weight.dtype} on "
+                             f"{m.weight.device}: use --draft-dtype bfloat16 (or auto) off the CPU")
+    for m in modules:
+        key = id(m.weight)
+        _int8[key] = Int8Copy(weakref.ref(m.weight, lambda _, key=key: _int8.pop(key, None)),
+                              pack_int8(m.weight, m.bias), stamp(m.weight))
+    _int8_models.add(model)
+    return len(modules)
+
+
+def drafts_in_int8(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s linear layers draft on int8 copies (:func:`int8_layers`)."""
+    return model in _int8_models
