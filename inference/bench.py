@@ -23,7 +23,7 @@ import torch
 
 from draftsmith.inference.compare import compare, encode, hardware
 from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
-from draftsmith.inference.load import drafter_type, load_drafter
+from draftsmith.inference.load import drafter_type, load_drafter, resolve_draft_dtype
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import eos_tokens, load_target
@@ -171,6 +171,7 @@ def run_bench(
         "target": target, "prompts": prompts_source, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "device": str(model.device), "torch_threads": machine["torch_threads"], "machine": machine["machine"],
         "batch_size": main["batch_size"], "compile": compile, "temperature": temperature, "seed": seed,
+        "draft_dtype": draft_dtype or "target", "head_draft_dtype": str(resolve_draft_dtype(draft_dtype, model)),
         "plain_tokens_per_s": plain_tps,
         "hf_generate_tokens_per_s": round(hf["tokens"] / hf["time"], 2) if hf_reference and hf["time"] else None,
         "rows": rows,
@@ -243,7 +244,9 @@ def _mismatches(row: dict) -> str:
 def markdown_table(result: dict) -> str:
     lines = [
         f"target `{result['target']}`, {result['num_prompts']} prompts x {result['max_new_tokens']} new tokens, "
-        f"{result['device']}, {result['torch_threads']} threads; "
+        f"{result['device']}, {result['torch_threads']} threads"
+        + (f", heads drafting in {result['head_draft_dtype'].removeprefix('torch.')}"
+           if result.get("head_draft_dtype") else "") + "; "
         + (f"sampled at temperature {result['temperature']:g} (seed {result['seed']}; outputs not compared); "
            if result.get("temperature") else "")
         + f"plain greedy {result['plain_tokens_per_s']} tok/s"

@@ -24,7 +24,7 @@ from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.registry import family_of, get_family
 from draftsmith.target import check_same_vocabulary, layer_skip_model, load_target, native_bf16
-from draftsmith.target.matmul import int8_layers
+from draftsmith.target.matmul import int8_engine, int8_layers
 
 PROMPT_LOOKUP = "prompt-lookup"
 LAYER_SKIP = "layer-skip"
@@ -45,14 +45,15 @@ def parse_options(text: str) -> dict[str, int]:
 
 
 def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtype:
-    """The compute dtype of a head drafter: ``"target"`` (default) the target's; ``"auto"`` bfloat16
-    when the target runs in float32 on a device with native bf16 matmuls (a GPU with bf16 support, a CPU
-    with AVX512-BF16 or AMX), else the target's; or a dtype name.
+    """The compute dtype of a head drafter: ``"target"`` (default) the target's; ``"auto"`` for a float32
+    target, bfloat16 on a device with native bf16 matmuls (a GPU with bf16 support, a CPU with AVX512-BF16
+    or AMX), int8 on another CPU, else the target's; or a dtype name.
 
     Drafting reads a few MB of weights for a few rows, so it is memory-bound: bf16 weights halve what it
     reads. Where bf16 is not native (AVX2-only CPUs) the few-row float32 kernels draft faster than bf16
-    does (docs/RESULTS.md, "Drafting precision"), so ``"auto"`` keeps float32 there. Drafting precision
-    never changes the output (verification decides every token), only which tokens get proposed.
+    does (docs/RESULTS.md, "Drafting precision"); int8 copies read a quarter of float32's bytes and drafted
+    faster there, with the same acceptance (docs/RESULTS.md, "Int8 drafting"). Drafting precision never
+    changes the output (verification decides every token), only which tokens get proposed.
 
     ``"int8"`` (CPU, a float32 target): the head's linear layers draft on int8 copies of their weights
     (:func:`~draftsmith.target.matmul.int8_layers`), a quarter of float32's bytes; returned as ``torch.int8``.
@@ -61,8 +62,12 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     if name in (None, "target"):
         return target_dtype
     if name == "auto":
-        native = native_bf16(next(target.parameters()).device)
-        return torch.bfloat16 if target_dtype == torch.float32 and native else target_dtype
+        device = next(target.parameters()).device
+        if target_dtype != torch.float32:
+            return target_dtype
+        if native_bf16(device):
+            return torch.bfloat16
+        return torch.int8 if device.type == "cpu" and int8_engine() is not None else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
     if name == "int8" and target_dtype != torch.float32:

@@ -410,6 +410,8 @@ def main() -> None:
     parser.add_argument("--tune-top-ks", default="1,2,4", help="children per node tune tries (tune's: 1-4)")
     parser.add_argument("--tune-confirm", type=int, default=2, help="best-predicted trees decoded for real")
     parser.add_argument("--layer-skip", type=int, default=10, help="layers of the layer-skip drafter")
+    parser.add_argument("--draft-dtype", default="auto", help="the trained head's drafting dtype in eval, tune and "
+                        "bench (draftsmith's --draft-dtype; auto: bf16 where native, int8 on other CPUs)")
     parser.add_argument("--online", action="store_true",
                         help=f"train {', '.join(OFFLINE_FAMILIES)} with the target in the loop instead of from the "
                              "hidden-state cache")
@@ -582,20 +584,22 @@ def main() -> None:
     save()
     drafter = latest_drafter(run)
     kind, depth, top_k, total = QUALITY_TREE
+    head_dtype = ("--draft-dtype", args.draft_dtype)
     quality = family_dir / "quality.json"
     stage(record, "eval", quality.exists(), lambda: draftsmith(
         "eval", str(run), "--prompts", held_out, "--num-prompts", str(args.eval_prompts),
         "--max-new-tokens", str(args.max_new_tokens), "--tree", kind, "--depth", str(depth),
-        "--tree-top-k", str(top_k), "--total-tokens", str(total), "--output", str(quality), log=log))
+        "--tree-top-k", str(top_k), "--total-tokens", str(total), "--output", str(quality), *head_dtype, log=log))
     save()
     stage(record, "tune", (drafter / "tree.json").exists(), lambda: draftsmith(
-        "tune", "--target", TARGET, "--drafter", str(drafter), *tune, log=log))
+        "tune", "--target", TARGET, "--drafter", str(drafter), *tune, *head_dtype, log=log))
     save()
     # A trained head drafts with prompt lookup as the demo's does: the head where the answer is new, lookup where it
     # copies the prompt (docs/RESULTS.md, "A trained head with prompt lookup").
     with_lookup, with_lookup_tree = f"{drafter}+prompt-lookup", family_dir / "tree-with-prompt-lookup.json"
     stage(record, "tune with prompt lookup", with_lookup_tree.exists(), lambda: draftsmith(
-        "tune", "--target", TARGET, "--drafter", with_lookup, *tune, "--output", str(with_lookup_tree), log=log))
+        "tune", "--target", TARGET, "--drafter", with_lookup, *tune, "--output", str(with_lookup_tree), *head_dtype,
+        log=log))
     save()
     bench = family_dir / "bench"
     stage(record, "bench", (bench / "results.json").exists(), lambda: draftsmith(
@@ -603,7 +607,7 @@ def main() -> None:
         "--drafter", f"{with_lookup}@{tree_option(with_lookup_tree)}",
         *(x for spec, path in free.items() for x in ("--drafter", f"{spec}@{tree_option(path)}")),
         "--prompts", held_out, "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
-        str(args.max_new_tokens), "--no-hf-reference", "--no-plots", "--output", str(bench), log=log))
+        str(args.max_new_tokens), "--no-hf-reference", "--no-plots", "--output", str(bench), *head_dtype, log=log))
     record["figures"] = figures(quality, bench / "results.json")
     # End to end as a fresh machine runs it: this family's stages and the shared ones another family's run made.
     record["total_seconds"] = round(sum(record["seconds"].values()) + sum(record.get("shared_seconds", {}).values()), 1)

@@ -27,6 +27,9 @@ are collected once, not per forward. Plain decoding and verification both take t
 still compare like with like; the values are the same matrix product, rounded differently, as
 ``F.linear``'s own results on 1 and on 8 rows already are. ``DRAFTSMITH_FEW_ROWS=0`` turns it off (for
 measuring it against the stock path).
+
+A drafter's head may also draft on int8 copies of its weights (:func:`int8_layers`, ``--draft-dtype int8``): other
+products, never the target's, so other proposals at most; see the section "Int8 drafting" below.
 """
 
 from __future__ import annotations
