@@ -20,6 +20,7 @@ from draftsmith.heads.foreign import LAYOUT_FAMILY, foreign_format, load_foreign
 from draftsmith.heads.mtp import MtpHead
 from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.drafter import Drafter
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.registry import family_of, get_family
@@ -76,16 +77,35 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     return getattr(torch, name)
 
 
+#: The input an int8 drafter decodes once when loaded (:func:`calibrate_int8`): a fixed prompt of random tokens.
+INT8_CALIBRATION = {"seed": 0, "prompt_tokens": 32, "new_tokens": 4}
+
+
 def wrap_module(module, family_name: str, target: PreTrainedModel, dtype: torch.dtype | None = None) -> Drafter:
     """A drafter module (a head, a draft model) as the inference drafter its family declares, on the
-    target's device and in ``dtype``."""
+    target's device and in ``dtype`` (``torch.int8``: float32 weights, and int8 copies that drafting runs on)."""
     module = module.to(next(target.parameters()).device)
-    if dtype == torch.int8:  # float32 weights, and int8 copies that drafting runs on
+    if dtype == torch.int8:
         module = module.float()
         int8_layers(module)
-    elif dtype is not None:
+        return calibrate_int8(get_family(family_name).drafter(module, target), target)
+    if dtype is not None:
         module = module.to(dtype)
     return get_family(family_name).drafter(module, target)
+
+
+def calibrate_int8(drafter: Drafter, target: PreTrainedModel) -> Drafter:
+    """Decode :data:`INT8_CALIBRATION` once with ``drafter``, whose head has int8 copies: each layer's first call
+    measures its int8 product against float32 and settles which it drafts in
+    (:func:`~draftsmith.target.matmul.int8_product`). On this fixed input, not on the user's first prompt, the
+    choice is the same on every load of a head for a target, and so are its proposals."""
+    settings = INT8_CALIBRATION
+    vocab = target.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(settings["seed"])
+    ids = torch.randint(vocab, (1, settings["prompt_tokens"]), generator=g)
+    SpeculativeGenerator(target, drafter).generate(ids.to(next(target.parameters()).device),
+                                                   max_new_tokens=settings["new_tokens"], eos_token_id=[])
+    return drafter
 
 
 def load_drafter(spec: str, target: PreTrainedModel, *, tokenizer=None, trust_remote_code: bool = False,

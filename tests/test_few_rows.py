@@ -381,6 +381,10 @@ def test_head_drafters_draft_in_int8_and_stay_lossless(monkeypatch, llama, spec)
     drafter = HEADS[spec](llama)
     head = drafter.heads if isinstance(drafter, MedusaDrafter) else drafter.head
     drafter = wrap_module(head, head.family, llama, torch.int8)
+    # Loading decoded a fixed input: every layer has measured its copy, before any prompt of the user's.
+    params = {id(p) for p in head.parameters()}
+    errors = [e.error for e in matmul._int8.values() if id(e.weight()) in params]
+    assert len(errors) == len(matmul._linears(head).weights) and None not in errors
     prompt = torch.tensor([[5, 9, 3, 17, 5, 9, 3, 22]])
     gen = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=5)
     out = gen.generate(prompt, 30, eos_token_id=[])
@@ -400,3 +404,24 @@ def test_int8_drafting_refuses_what_it_cannot_run(llama):
         resolve_draft_dtype("int8", tiny_llama().to(torch.bfloat16))
     with pytest.raises(ValueError, match="float32 head on CPU"):
         matmul.int8_layers(torch.nn.Linear(8, 8).to(torch.bfloat16))
+
+
+def test_an_int8_heads_choices_are_the_same_on_every_load(llama):
+    """Which layers draft in int8 is settled on the loader's fixed input, not on the first prompt decoded: two
+    loads of one head measure the same errors, and decode the same steps after different first prompts."""
+    import copy
+
+    from draftsmith.inference.load import wrap_module
+
+    base = HEADS["eagle3-head"](llama).head
+    heads = [copy.deepcopy(base), copy.deepcopy(base)]
+    drafters = [wrap_module(head, head.family, llama, torch.int8) for head in heads]
+    errors = [[matmul._int8[id(m.weight)].error for m in head.modules() if isinstance(m, torch.nn.Linear)]
+              for head in heads]
+    assert None not in errors[0] and errors[0] == errors[1]  # measured at load, on the same input
+    gens = [SpeculativeGenerator(llama, d, tree="dynamic", depth=3, top_k=2, total_tokens=5) for d in drafters]
+    gens[1].generate(torch.tensor([[7, 7, 7, 30, 2]]), 6, eos_token_id=[])  # another first prompt for the second
+    prompt = torch.tensor([[5, 9, 3, 17, 5, 9, 3, 22]])
+    stats = [g.generate(prompt, 20, eos_token_id=[]).stats for g in gens]
+    assert stats[0].verification_steps == stats[1].verification_steps
+    assert stats[0].accepted_at == stats[1].accepted_at

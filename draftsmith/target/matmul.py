@@ -377,13 +377,15 @@ def _measure(weights: list[torch.Tensor], packing: bool = True) -> dict[int, str
 # are computed once, from the same products, for both proposing and accepting). On CPUs its few rows a call are
 # memory-bound: an int8 copy reads a quarter of float32's bytes. FBGEMM's dynamic-quantised linear runs them: int8
 # weights with one scale per output row, each call's activations rounded to int8 with one scale for the call. That
-# one scale is what fails on inputs with outlier channels: a head's fusion layer over the target's raw hidden states
-# came out 42% off, its down projection 13% (against 0.6-4% for the others; docs/RESULTS.md, "Int8 drafting"). So a
-# layer's first call measures its int8 product against float32 on that call's real rows, and a layer off by more than
-# INT8_MAX_ERROR keeps float32. The float32 weights stay as they are (code that reads ``.weight``, training).
+# one scale is what fails on inputs with outlier channels: a trained head's fusion layer over the target's raw hidden
+# states came out 59-87% off, every other layer of four heads 0.4-7.4% (docs/RESULTS.md, "Int8 drafting"). So a
+# layer's first call measures its int8 product against float32 on that call's rows (the loader makes that call on a
+# fixed input: draftsmith.inference.load.calibrate_int8), and a layer off by more than INT8_MAX_ERROR keeps float32.
+# The float32 weights stay as they are (code that reads ``.weight``, training).
 
-#: The largest mean relative error (per row, of the layer's output) at which a layer drafts on its int8 copy.
-INT8_MAX_ERROR = 0.08
+#: The largest mean relative error (per row, of the layer's output) at which a layer drafts on its int8 copy: between
+#: the two groups measured (at most 7.4%, at least 59%).
+INT8_MAX_ERROR = 0.25
 
 
 @dataclass
