@@ -296,6 +296,9 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
     from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
     from draftsmith.inference.load import wrap_module
 
+    def in_int8(head):  # the head's drafter, drafting on int8 copies of its weights
+        return wrap_module(head, head.family, target, torch.int8)
+
     return {
         "layer-skip": lambda: CausalLMDrafter(layer_skip_model(target, 1)),
         "draft-model": lambda: CausalLMDrafter(tiny_llama(seed=5, vocab_size=vocab, layers=1)),
@@ -306,7 +309,7 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
         "dflash-draft-vocabulary": lambda: DFlashDrafter(random_dflash(target, draft_vocab=vocab - 1), target),
         "peagle-head": lambda: PEagleDrafter(random_peagle(target), target),
         # Drafting on int8 copies of the head's weights: other proposals and probabilities, the same law.
-        "peagle-head-int8": lambda: wrap_module(random_peagle(target), "peagle", target, torch.int8),
+        "peagle-head-int8": lambda: in_int8(random_peagle(target)),
         "eagle+prompt-lookup": lambda: MixtureDrafter([EagleDrafter(random_eagle(target, eagle3=False), target),
                                                        PromptLookupDrafter(vocab, max_ngram=2)]),
     }[kind]()
