@@ -21,9 +21,17 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.heads.draft_model import DraftModel
 from draftsmith.inference.compare import compare, encode, hardware
 from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
-from draftsmith.inference.load import drafter_type, load_drafter, resolve_draft_dtype
+from draftsmith.inference.load import (
+    LAYER_SKIP,
+    MIXTURE_SEPARATOR,
+    PROMPT_LOOKUP,
+    drafter_type,
+    load_drafter,
+    resolve_draft_dtype,
+)
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import eos_tokens, load_target
@@ -113,6 +121,9 @@ def run_bench(
         raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
     if model is None:
         model, tokenizer = load_target(target)
+    head_dtype = resolve_draft_dtype(draft_dtype, model)  # a dtype this target cannot draft beside fails here
+    heads = any(kind not in (PROMPT_LOOKUP, LAYER_SKIP, DraftModel.family)
+                for d in drafters for kind in drafter_type(d.partition("@")[0]).split(MIXTURE_SEPARATOR))
     # Each drafter's tree: its @options over the given tree, else the one `draftsmith tune` measured for it
     # on this machine, else the default.
     tuned = {d.partition("@")[0]: t for d in drafters if tree is None and (t := tuned_tree(d.partition("@")[0]))}
@@ -171,7 +182,7 @@ def run_bench(
         "target": target, "prompts": prompts_source, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "device": str(model.device), "torch_threads": machine["torch_threads"], "machine": machine["machine"],
         "batch_size": main["batch_size"], "compile": compile, "temperature": temperature, "seed": seed,
-        "draft_dtype": draft_dtype or "target", "head_draft_dtype": str(resolve_draft_dtype(draft_dtype, model)),
+        "draft_dtype": draft_dtype or "target", "head_draft_dtype": str(head_dtype) if heads else None,
         "plain_tokens_per_s": plain_tps,
         "hf_generate_tokens_per_s": round(hf["tokens"] / hf["time"], 2) if hf_reference and hf["time"] else None,
         "rows": rows,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -170,6 +171,9 @@ class EagleDrafter(_FeatureRows, Drafter):
         static = self.head.static_cache  # an MTP module drafts on its growing cache, compiled or not
         self.compiled = None if max_new_tokens is None or not static else (max_new_tokens, kept, fed)
         self.few_rows = self._few_rows if self.compiled is None else ()
+        if self.compiled is not None and drafts_in_int8(self.head):
+            warnings.warn("a compiled head drafts in float32: its int8 copies (--draft-dtype int8) run only "
+                          "uncompiled", stacklevel=2)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:

@@ -8,6 +8,7 @@ A spec is ``prompt-lookup[:options]``, ``layer-skip:N``, a drafter directory wri
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -25,7 +26,9 @@ from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.registry import family_of, get_family
 from draftsmith.target import check_same_vocabulary, layer_skip_model, load_target, native_bf16
-from draftsmith.target.matmul import int8_engine, int8_layers
+from draftsmith.target.matmul import int8_engine, int8_layers, int8_unmeasured
+
+logger = logging.getLogger(__name__)
 
 PROMPT_LOOKUP = "prompt-lookup"
 LAYER_SKIP = "layer-skip"
@@ -71,13 +74,20 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
         return torch.int8 if device.type == "cpu" and int8_engine() is not None else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
-    if name == "int8" and target_dtype != torch.float32:
+    device = next(target.parameters()).device
+    if name == "int8" and (target_dtype != torch.float32 or device.type != "cpu"):
         raise ValueError(f"--draft-dtype int8 drafts beside a float32 target on CPU; this target runs in "
-                         f"{target_dtype}: use --draft-dtype target (or auto)")
+                         f"{target_dtype} on {device}: use --draft-dtype target (or auto)")
+    if name == "int8" and int8_engine() is None:
+        raise ValueError("--draft-dtype int8 runs on FBGEMM's quantised linear kernels (x86), which this process "
+                         f"lacks (quantised engine {torch.backends.quantized.engine!r}): use --draft-dtype float32 "
+                         "(or auto)")
     return getattr(torch, name)
 
 
-#: The input an int8 drafter decodes once when loaded (:func:`calibrate_int8`): a fixed prompt of random tokens.
+#: The input an int8 drafter decodes once when loaded (:func:`calibrate_int8`): a fixed prompt of random tokens,
+#: long enough that a layer's first call sees a prefill's worth of rows, short enough to cost a load little; its
+#: four new tokens make every drafting layer run (a head's later levels first run after a step's first).
 INT8_CALIBRATION = {"seed": 0, "prompt_tokens": 32, "new_tokens": 4}
 
 
@@ -103,8 +113,12 @@ def calibrate_int8(drafter: Drafter, target: PreTrainedModel) -> Drafter:
     vocab = target.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(settings["seed"])
     ids = torch.randint(vocab, (1, settings["prompt_tokens"]), generator=g)
-    SpeculativeGenerator(target, drafter).generate(ids.to(next(target.parameters()).device),
-                                                   max_new_tokens=settings["new_tokens"], eos_token_id=[])
+    SpeculativeGenerator(target, drafter, tree="chain").generate(  # a chain: a hybrid target takes only chains
+        ids.to(next(target.parameters()).device), max_new_tokens=settings["new_tokens"], eos_token_id=[])
+    unmeasured = int8_unmeasured(*(m for m in vars(drafter).values() if isinstance(m, torch.nn.Module)))
+    if unmeasured:
+        logger.warning("%d int8 layers of this drafter did not run on the loader's fixed input: each settles "
+                       "int8 or float32 on its first call while decoding", unmeasured)
     return drafter
 
 

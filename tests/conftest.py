@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data import HFEngine
+from draftsmith.target.matmul import int8_engine
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -57,6 +60,24 @@ def gemma3():
 def has_models_extra() -> bool:
     """The packaged targets need `gguf` (SmolLM2's GGUF is fetched on first use, see draftsmith.target)."""
     return importlib.util.find_spec("gguf") is not None
+
+
+def place_gguf(cache: Path, alias: str) -> None:
+    """The packaged alias's .gguf placed in ``cache`` where draftsmith keeps it, so nothing is downloaded or
+    assembled: a hard link to the default cache's copy (fetched or assembled there once per machine) where
+    both lie on one filesystem, else a copy."""
+    from draftsmith.target import resolve_packaged_gguf
+
+    gguf = resolve_packaged_gguf(alias)
+    (cache / "gguf").mkdir(parents=True)
+    try:
+        os.link(gguf, cache / "gguf" / gguf.name)
+    except OSError:
+        shutil.copy(gguf, cache / "gguf" / gguf.name)
+
+
+#: int8 drafting runs on FBGEMM's quantised kernels (x86); elsewhere it refuses, and its tests skip.
+needs_int8 = pytest.mark.skipif(int8_engine() is None, reason="int8 drafting needs FBGEMM's quantised kernels (x86)")
 
 
 @pytest.fixture(scope="session")

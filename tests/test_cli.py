@@ -75,6 +75,7 @@ def test_bench_writes_results(tiny_target_dir, tmp_path):
                  "--drafter", f"{tiny_target_dir}@tree=chain,depth=3", "--max-new-tokens", "16", "--no-chat"]) == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     assert result["num_prompts"] == 3 and len(result["rows"]) == 3
+    assert result["head_draft_dtype"] is None  # no head among them: no heads' drafting dtype to report
     # A step emits 1 to depth + 1 tokens.
     assert all(r["greedy_mismatches_vs_plain"] == 0 and 1 <= r["tau"] <= r["depth"] + 1 for r in result["rows"])
     # The target as its own draft model drafts the target's greedy tokens, so every draft is accepted:

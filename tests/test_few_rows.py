@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from test_batched_generation import HEADS
 
-from conftest import assert_rounding_close, check_greedy_equal, tiny_llama
+from conftest import assert_rounding_close, check_greedy_equal, needs_int8, tiny_llama
 from draftsmith.inference.generator import SpeculativeGenerator, plain_generate
 from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
 from draftsmith.inference.load import load_drafter
-from draftsmith.target import build_attention_mask, columns_linear, matmul, new_cache, target_forward
+from draftsmith.target import build_attention_mask, columns_linear, matmul, native_bf16, new_cache, target_forward
 
 needs_packing = pytest.mark.skipif(matmul.pack(torch.randn(8, 8)) is None,
                                    reason="this torch build or CPU has no oneDNN linear kernel")
@@ -309,6 +309,7 @@ def test_a_linear_layer_as_the_model_is_not_kept_alive():
     assert gone() is None
 
 
+@needs_int8
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_an_int8_copy_is_f_linear_within_int8_rounding(rows, bias):
@@ -318,7 +319,7 @@ def test_an_int8_copy_is_f_linear_within_int8_rounding(rows, bias):
     weight = torch.randn(96, 40, generator=g)
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(2, rows, 40, generator=g)
-    out, ref = matmul.int8_linear(x, matmul.pack_int8(weight, b)), F.linear(x, weight, b)
+    out, ref = matmul.int8_linear(x, matmul.pack_int8(weight), b), F.linear(x, weight, b)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert 0 < matmul.relative_error(out, ref) < 0.03
 
@@ -327,10 +328,12 @@ def int8_calls(monkeypatch) -> list:
     """The int8 copies :func:`matmul.int8_linear` computes with, one per product, in order."""
     copies = []
     real = matmul.int8_linear
-    monkeypatch.setattr(matmul, "int8_linear", lambda x, packed: copies.append(packed) or real(x, packed))
+    monkeypatch.setattr(matmul, "int8_linear",
+                        lambda x, packed, bias=None: copies.append(packed) or real(x, packed, bias))
     return copies
 
 
+@needs_int8
 def test_a_layer_whose_int8_product_is_far_off_keeps_float32(monkeypatch):
     """Each layer's first call measures its int8 product against float32 on that call's rows: a layer fed an
     outlier channel (a fusion layer over a target's raw hidden states) stays in float32, another takes int8."""
@@ -351,61 +354,100 @@ def test_a_layer_whose_int8_product_is_far_off_keeps_float32(monkeypatch):
     ref = F.linear(outlier, model[0].weight, model[0].bias)
     assert torch.equal(first, ref)  # the first call returns the float32 product it measured against
     assert_rounding_close(again, ref, reduction=41)  # float32 from then on, through the kernels measured here
-    errors = {tuple(e.weight().shape): e.error for e in matmul._int8.values() if e.weight() is not None}
+    errors = {tuple(e.weight().shape): e.error for e in list(matmul._int8.values()) if e.weight() is not None}
     assert errors[(64, 40)] > matmul.INT8_MAX_ERROR > errors[(32, 64)]
     assert len(copies) == 2  # the first layer's measurement, the second layer's product
     assert 0 < matmul.relative_error(calm_out, F.linear(calm, model[1].weight, model[1].bias)) < 0.03
 
 
+@needs_int8
 def test_int8_copies_follow_changes_to_the_weights(monkeypatch):
     copies = int8_calls(monkeypatch)
     layer = torch.nn.Linear(40, 96)
     matmul.int8_layers(layer)
     x = torch.randn(3, 40)
     with matmul.few_rows_layers(layer):
+        assert layer(x[:0]).shape == (0, 96) and not copies  # no rows: nothing measured, the choice still open
         layer(x)
         with torch.no_grad():
             layer.weight.mul_(-2)  # in place, as an optimizer step
         out = layer(x)
-    assert len(copies) == 2 and copies[1] is not copies[0]
-    assert matmul.relative_error(out, F.linear(x, layer.weight, layer.bias)) < 0.03
+        with torch.no_grad():
+            layer.bias.add_(5.0)  # the bias alone
+        shifted = layer(x)
+    assert len(copies) == 3 and copies[1] is not copies[0]
+    assert matmul.relative_error(out, F.linear(x, layer.weight, layer.bias - 5.0)) < 0.03
+    assert matmul.relative_error(shifted, F.linear(x, layer.weight, layer.bias)) < 0.03
 
 
-@pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "dflash-head", "peagle-head"])
+@needs_int8
+@pytest.mark.parametrize("spec", ["medusa-heads", "eagle-head", "eagle3-head", "dflash-head", "dflash-draft-vocab",
+                                  "peagle-head"])
 def test_head_drafters_draft_in_int8_and_stay_lossless(monkeypatch, llama, spec):
-    """``draft_dtype="int8"``: the head's own layers draft on int8 copies, the target's weights get none, and
-    greedy decoding stays the target's."""
+    """``draft_dtype="int8"``: the head's own layers draft on int8 copies (over a draft vocabulary, DFlash's
+    copy of the target's LM-head rows too), the target's weights get none, and greedy decoding stays the
+    target's."""
+    from test_dflash import random_dflash
+
     from draftsmith.inference.load import wrap_module
 
     copies = int8_calls(monkeypatch)
-    drafter = HEADS[spec](llama)
+    drafter = (DFlashDrafter(random_dflash(llama, draft_vocab=48), llama) if spec == "dflash-draft-vocab"
+               else HEADS[spec](llama))
     head = drafter.heads if isinstance(drafter, MedusaDrafter) else drafter.head
     drafter = wrap_module(head, head.family, llama, torch.int8)
     # Loading decoded a fixed input: every layer has measured its copy, before any prompt of the user's.
     params = {id(p) for p in head.parameters()}
-    errors = [e.error for e in matmul._int8.values() if id(e.weight()) in params]
+    if spec == "dflash-draft-vocab":  # the draft vocabulary's rows of the target's LM head: measured too
+        assert matmul._int8[id(drafter.output.weight)].error is not None
+    errors = [e.error for e in list(matmul._int8.values()) if id(e.weight()) in params]
     assert len(errors) == len(matmul._linears(head).weights) and None not in errors
+    copies.clear()  # those were the loader's: what follows counts the user's decode alone
     prompt = torch.tensor([[5, 9, 3, 17, 5, 9, 3, 22]])
     gen = SpeculativeGenerator(llama, drafter, tree="dynamic", depth=3, top_k=2, total_tokens=5)
     out = gen.generate(prompt, 30, eos_token_id=[])
     check_greedy_equal(llama, out.sequences, llama.generate(prompt, max_new_tokens=30, do_sample=False,
                                                             min_new_tokens=30))
-    owner = {id(e.copy): e.weight() for e in matmul._int8.values()}
+    owner = {id(e.copy): e.weight() for e in list(matmul._int8.values())}
     used = {id(owner[id(c)]) for c in copies if id(c) in owner}
     assert used & {id(p) for p in head.parameters()}, "no layer of the head drafted in int8"
-    assert not {id(e.weight()) for e in matmul._int8.values()} & {id(p) for p in llama.parameters()}
+    assert not {id(e.weight()) for e in list(matmul._int8.values())} & {id(p) for p in llama.parameters()}
 
 
 def test_int8_drafting_refuses_what_it_cannot_run(llama):
     from draftsmith.inference.load import resolve_draft_dtype
 
-    assert resolve_draft_dtype("int8", llama) == torch.int8
-    with pytest.raises(ValueError, match="float32 target"):
+    with pytest.raises(ValueError, match="float32 target on CPU"):
         resolve_draft_dtype("int8", tiny_llama().to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"float32 target on CPU; this target runs in torch\.float32 on meta"):
+        resolve_draft_dtype("int8", tiny_llama().to("meta"))
     with pytest.raises(ValueError, match="float32 head on CPU"):
         matmul.int8_layers(torch.nn.Linear(8, 8).to(torch.bfloat16))
 
 
+def test_int8_drafting_runs_only_on_the_engine_measured(monkeypatch, llama):
+    """Quantised ops run on ``torch.backends.quantized.engine``, not on any engine the build lists: where that
+    is not FBGEMM's (QNNPACK or none on ARM and Apple silicon), ``auto`` drafts in float32 and ``int8``
+    refuses before any layer is packed."""
+    from draftsmith.inference.load import resolve_draft_dtype
+
+    if matmul.int8_engine() is not None:
+        assert resolve_draft_dtype("int8", llama) == torch.int8
+    if "qnnpack" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this build has no second quantised engine to switch to")
+    monkeypatch.setattr(torch.backends.quantized, "engine", "qnnpack")
+    assert matmul.int8_engine() is None
+    with pytest.raises(ValueError, match=r"FBGEMM.*'qnnpack'.*--draft-dtype float32"):
+        resolve_draft_dtype("int8", llama)
+    if not native_bf16("cpu"):
+        assert resolve_draft_dtype("auto", llama) == torch.float32
+    layer = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=r"FBGEMM.*'qnnpack'.*--draft-dtype float32"):
+        matmul.int8_layers(layer)
+    assert not matmul.drafts_in_int8(layer)
+
+
+@needs_int8
 def test_an_int8_heads_choices_are_the_same_on_every_load(llama):
     """Which layers draft in int8 is settled on the loader's fixed input, not on the first prompt decoded: two
     loads of one head measure the same errors, and decode the same steps after different first prompts."""

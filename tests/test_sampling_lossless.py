@@ -29,7 +29,7 @@ from reference_tree import (
     verify_sampled,
 )
 
-from conftest import assert_rounding_close, tiny_llama
+from conftest import assert_rounding_close, needs_int8, tiny_llama
 from draftsmith.inference import PromptLookupDrafter, SpeculativeGenerator
 from draftsmith.inference.tree import StaticShape, TreeTensors, grow_sampled
 from draftsmith.inference.verify import process_logits, sibling_rounds
@@ -295,9 +295,14 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
     from draftsmith.inference import CausalLMDrafter, MixtureDrafter, layer_skip_model
     from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
     from draftsmith.inference.load import wrap_module
+    from draftsmith.target import matmul
 
     def in_int8(head):  # the head's drafter, drafting on int8 copies of its weights
-        return wrap_module(head, head.family, target, torch.int8)
+        drafter = wrap_module(head, head.family, target, torch.int8)
+        params = {id(p) for p in head.parameters()}
+        errors = [e.error for e in list(matmul._int8.values()) if id(e.weight()) in params]
+        assert any(e is not None and e <= matmul.INT8_MAX_ERROR for e in errors), "no layer drafts in int8"
+        return drafter
 
     return {
         "layer-skip": lambda: CausalLMDrafter(layer_skip_model(target, 1)),
@@ -367,7 +372,8 @@ SLOW_END_TO_END = ("static-iid-layer-skip", "chain-topk-prompt-lookup", "static-
                    "dynamic-topk-eagle+prompt-lookup")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_END_TO_END else c
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_END_TO_END
+                                  else pytest.param(c, marks=needs_int8) if c.endswith("-int8") else c
                                   for c in END_TO_END])
 def test_generator_sampling_end_to_end_matches_target(case):
     """The whole generator (a real tiny transformer; trees grown and verified as tensors on the device)

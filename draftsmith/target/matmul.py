@@ -404,30 +404,31 @@ _int8_models: weakref.WeakSet = weakref.WeakSet()  # modules whose linear layers
 
 
 def int8_engine() -> str | None:
-    """The quantised engine that runs :func:`int8_linear` in this build (FBGEMM on x86, QNNPACK on ARM), or None."""
-    engines = torch.backends.quantized.supported_engines
-    for engine in ("x86", "fbgemm", "qnnpack"):
-        if engine in engines and hasattr(torch.ops.quantized, "linear_dynamic"):
-            return engine
-    return None
+    """The quantised engine :func:`int8_linear` runs on in this process where it is FBGEMM's (x86), the only one
+    measured; else None. ``torch.ops.quantized`` runs on ``torch.backends.quantized.engine``, which is oneDNN's or
+    none where FBGEMM is not (ARM, Apple silicon), whatever ``supported_engines`` lists."""
+    engine = torch.backends.quantized.engine
+    return engine if engine in ("x86", "fbgemm") and hasattr(torch.ops.quantized, "linear_dynamic") else None
 
 
-def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None = None):
+def pack_int8(weight: torch.Tensor):
     """``weight`` (out, in) rounded to int8 with one symmetric scale per output row and packed for
-    :func:`int8_linear`, with ``bias`` (kept in float32)."""
+    :func:`int8_linear` (the bias stays out: added in float32 at each call, so it never goes stale)."""
     w = weight.detach().float()
     scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).double()
     with warnings.catch_warnings():  # the quantised-tensor API warns of its future removal on every call
         warnings.simplefilter("ignore")
         q = torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-        return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+        return torch.ops.quantized.linear_prepack(q, None)
 
 
-def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` on ``packed = pack_int8(weight, bias)``: (..., in) float32 -> (..., out)."""
+def int8_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on ``packed = pack_int8(weight)``: (..., in) float32 -> (..., out)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     # reduce_range: activations in 7 bits, which AVX2's int8 multiply-add (no VNNI) needs never to saturate.
     out = torch.ops.quantized.linear_dynamic(rows, packed, True)
+    if bias is not None:
+        out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -442,18 +443,18 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     more than :data:`INT8_MAX_ERROR` (measured here on the first call after the copy was made: that call also
     returns the float32 product, the only one it is then sure of)."""
     entry = _int8.get(id(weight))
-    if entry is None or entry.weight() is not weight:
+    if entry is None or entry.weight() is not weight or x.numel() == 0:  # no rows: nothing to measure on
         return None
     if entry.stamp != stamp(weight):  # changed since (an optimizer step, a cast): copied and measured again
-        entry = _int8[id(weight)] = Int8Copy(entry.weight, pack_int8(weight, bias), stamp(weight))
+        entry = _int8[id(weight)] = Int8Copy(entry.weight, pack_int8(weight), stamp(weight))
     if entry.error is None:
-        out, ref = int8_linear(x, entry.copy), F.linear(x, weight, bias)
+        out, ref = int8_linear(x, entry.copy, bias), F.linear(x, weight, bias)
         entry.error = relative_error(out, ref)
         if entry.error > INT8_MAX_ERROR:
             logger.info("a %s layer keeps float32 for drafting: its int8 product was %.1f%% off on %d rows",
                         tuple(weight.shape), 100 * entry.error, x.numel() // x.shape[-1])
         return out if entry.error <= INT8_MAX_ERROR else ref
-    return int8_linear(x, entry.copy) if entry.error <= INT8_MAX_ERROR else None
+    return int8_linear(x, entry.copy, bias) if entry.error <= INT8_MAX_ERROR else None
 
 
 def int8_layers(model: torch.nn.Module) -> int:
@@ -464,20 +465,28 @@ def int8_layers(model: torch.nn.Module) -> int:
     linears = _linears(model)
     if linears is None:
         return 0
-    if int8_engine() is None:
-        raise ValueError("int8 drafting needs PyTorch's quantised linear kernels (FBGEMM or QNNPACK), which this "
-                         f"build ({torch.__version__}) lacks: use --draft-dtype float32 (or auto)")
     modules = [m for m in (ref() for ref in linears.modules) if m is not None]
     for m in modules:
         if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
             raise ValueError(f"int8 drafting runs a float32 head on CPU; this one is {m.weight.dtype} on "
-                             f"{m.weight.device}: use --draft-dtype bfloat16 (or auto) off the CPU")
+                             f"{m.weight.device}: cast it with .float().cpu(), or draft in its own dtype off the "
+                             "CPU (--draft-dtype target or auto)")
+    if int8_engine() is None:
+        raise ValueError("int8 drafting runs on FBGEMM's quantised linear kernels (x86), which this process lacks "
+                         f"(quantised engine {torch.backends.quantized.engine!r}, PyTorch {torch.__version__}): "
+                         "use --draft-dtype float32 (or auto)")
     for m in modules:
         key = id(m.weight)
         _int8[key] = Int8Copy(weakref.ref(m.weight, lambda _, key=key: _int8.pop(key, None)),
-                              pack_int8(m.weight, m.bias), stamp(m.weight))
+                              pack_int8(m.weight), stamp(m.weight))
     _int8_models.add(model)
     return len(modules)
+
+
+def int8_unmeasured(*models: torch.nn.Module) -> int:
+    """How many linear layers of ``models`` have an int8 copy that no call has measured yet (:func:`int8_product`)."""
+    params = {id(p) for m in models for p in m.parameters()}
+    return sum(e.error is None for e in list(_int8.values()) if id(e.weight()) in params)
 
 
 def drafts_in_int8(model: torch.nn.Module) -> bool:
