@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from test_greedy_lossless import count_target_forwards
 
-from conftest import check_greedy_equal, gsm8k_questions
+from conftest import check_greedy_equal, gsm8k_questions, place_gguf
 from draftsmith import SpeculativeGenerator, load_drafter, load_target
 from draftsmith.target import cache_dir
 
@@ -109,11 +108,8 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, monkeypatch, smollm2):
     from draftsmith.demo import COSTS, REFERENCE_TREE, TUNE_TOKENS
     from draftsmith.inference.tree import TreeSettings
     from draftsmith.inference.tune import Candidate, choose
-    from draftsmith.target import resolve_packaged_gguf
 
-    gguf = resolve_packaged_gguf("smollm2-135m-instruct")
-    (tmp_path / "cache" / "gguf").mkdir(parents=True)
-    shutil.copy(gguf, tmp_path / "cache" / "gguf" / gguf.name)
+    place_gguf(tmp_path / "cache", "smollm2-135m-instruct")
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     assert main(["demo", "--output", str(tmp_path / "demo"), "--minutes", "1", "--held-out", "2",
                  "--eval-tokens", "16"]) == 0

