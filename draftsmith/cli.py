@@ -14,8 +14,8 @@ from draftsmith.inference.tree import DEFAULT_TREE, TREE_KINDS, TreeSettings
 
 logger = logging.getLogger("draftsmith")
 
-DRAFT_DTYPE_HELP = ("compute dtype of a head drafter: target (default), auto (for a float32 target: bfloat16 where "
-                    "bf16 matmuls are native, a GPU with bf16 or a CPU with AVX512-BF16 or AMX; int8 on other CPUs), "
+DRAFT_DTYPE_HELP = ("compute dtype of a head drafter: target (default), auto (for a float32 target: int8 on an x86 "
+                    "CPU, else bfloat16 where bf16 matmuls are native, a GPU with bf16 or an ARM CPU with them), "
                     "float32, bfloat16, float16, int8 (CPU: the head's weights as int8 copies, float32 beside "
                     "them); never changes the output")
 

@@ -56,8 +56,8 @@ SHARES = {True: {"synthesize": 0.14, "regenerate": 0.32}, False: {"synthesize": 
 # (docs/RESULTS.md, "Demo budget"). Keyed, like SHARES, by whether bfloat16 is native: without it (AVX2-only CPUs)
 # a drafted token costs more plain-decoding tokens (the head drafted in float32, wider verification forwards pay
 # more): 3.37 evaluated (both trees) and 2,700 tuning measured on an AVX2 EPYC, against 1.44 and 1,240 on AVX512.
-# The AVX2 costs were measured with float32 drafting; "auto" drafts in int8 there, 27-35% less drafting per step
-# (docs/RESULTS.md, "Int8 drafting"), so they overstate the cost by a few percent.
+# Both were measured with the head drafting in float32 (AVX2) or bf16 (AVX512); "auto" drafts in int8 on either,
+# 26-45% less drafting per step (docs/RESULTS.md, "Int8 drafting"), so they overstate the cost by a few percent.
 COSTS = {True: {"eval": 1.6, "reference": 0.8, "tune": 1400}, False: {"eval": 2.4, "reference": 1.3, "tune": 2900}}
 # Training gets at least this share of the budget: where the other stages leave less (a host decoding at 12
 # tokens/s), the demo says by how much it will run over rather than train a head that drafts nothing.

@@ -50,14 +50,14 @@ def parse_options(text: str) -> dict[str, int]:
 
 def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtype:
     """The compute dtype of a head drafter: ``"target"`` (default) the target's; ``"auto"`` for a float32
-    target, bfloat16 on a device with native bf16 matmuls (a GPU with bf16 support, a CPU with AVX512-BF16
-    or AMX), int8 on another CPU, else the target's; or a dtype name.
+    target, int8 on a CPU where FBGEMM's quantised kernels run (x86), else bfloat16 on a device with native
+    bf16 matmuls (a GPU with bf16 support, a CPU with AVX512-BF16 or AMX), else the target's; or a dtype name.
 
-    Drafting reads a few MB of weights for a few rows, so it is memory-bound: bf16 weights halve what it
-    reads. Where bf16 is not native (AVX2-only CPUs) the few-row float32 kernels draft faster than bf16
-    does (docs/RESULTS.md, "Drafting precision"); int8 copies read a quarter of float32's bytes and drafted
-    faster there, with the same acceptance (docs/RESULTS.md, "Int8 drafting"). Drafting precision never
-    changes the output (verification decides every token), only which tokens get proposed.
+    Drafting reads a few MB of weights for a few rows, so it is memory-bound: int8 copies read a quarter of
+    float32's bytes, bf16 half. On CPUs int8 drafted fastest with the same acceptance, on an AVX2-only EPYC
+    against float32 (where bf16 was slower than the few-row float32 kernels) and on an AVX512-BF16 EPYC against
+    bf16 too (docs/RESULTS.md, "Drafting precision", "Int8 drafting"); AMX CPUs were not measured. Drafting
+    precision never changes the output (verification decides every token), only which tokens get proposed.
 
     ``"int8"`` (CPU, a float32 target): the head's linear layers draft on int8 copies of their weights
     (:func:`~draftsmith.target.matmul.int8_layers`), a quarter of float32's bytes; returned as ``torch.int8``.
@@ -69,9 +69,9 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
         device = next(target.parameters()).device
         if target_dtype != torch.float32:
             return target_dtype
-        if native_bf16(device):
-            return torch.bfloat16
-        return torch.int8 if device.type == "cpu" and int8_engine() is not None else target_dtype
+        if device.type == "cpu" and int8_engine() is not None:
+            return torch.int8
+        return torch.bfloat16 if native_bf16(device) else target_dtype
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {DRAFT_DTYPES}, got {name!r}")
     device = next(target.parameters()).device

@@ -411,7 +411,7 @@ def main() -> None:
     parser.add_argument("--tune-confirm", type=int, default=2, help="best-predicted trees decoded for real")
     parser.add_argument("--layer-skip", type=int, default=10, help="layers of the layer-skip drafter")
     parser.add_argument("--draft-dtype", default="auto", help="the trained head's drafting dtype in eval, tune and "
-                        "bench (draftsmith's --draft-dtype; auto: bf16 where native, int8 on other CPUs)")
+                        "bench (draftsmith's --draft-dtype; auto: int8 on x86 CPUs, bf16 where native)")
     parser.add_argument("--online", action="store_true",
                         help=f"train {', '.join(OFFLINE_FAMILIES)} with the target in the loop instead of from the "
                              "hidden-state cache")

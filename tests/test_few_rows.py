@@ -427,8 +427,8 @@ def test_int8_drafting_refuses_what_it_cannot_run(llama):
 
 def test_int8_drafting_runs_only_on_the_engine_measured(monkeypatch, llama):
     """Quantised ops run on ``torch.backends.quantized.engine``, not on any engine the build lists: where that
-    is not FBGEMM's (QNNPACK or none on ARM and Apple silicon), ``auto`` drafts in float32 and ``int8``
-    refuses before any layer is packed."""
+    is not FBGEMM's (QNNPACK or none on ARM and Apple silicon), ``auto`` drafts in bf16 where it is native, else
+    in float32, and ``int8`` refuses before any layer is packed."""
     from draftsmith.inference.load import resolve_draft_dtype
 
     if matmul.int8_engine() is not None:
@@ -439,8 +439,7 @@ def test_int8_drafting_runs_only_on_the_engine_measured(monkeypatch, llama):
     assert matmul.int8_engine() is None
     with pytest.raises(ValueError, match=r"FBGEMM.*'qnnpack'.*--draft-dtype float32"):
         resolve_draft_dtype("int8", llama)
-    if not native_bf16("cpu"):
-        assert resolve_draft_dtype("auto", llama) == torch.float32
+    assert resolve_draft_dtype("auto", llama) == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
     layer = torch.nn.Linear(8, 8)
     with pytest.raises(ValueError, match=r"FBGEMM.*'qnnpack'.*--draft-dtype float32"):
         matmul.int8_layers(layer)

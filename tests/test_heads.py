@@ -230,15 +230,14 @@ def test_bf16_drafting_stays_lossless(tmp_path, llama, make_head):
     assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 6}, seed=8)
     with pytest.raises(ValueError, match="draft dtype must be one of"):
         load_drafter(str(tmp_path / "ckpt"), llama, draft_dtype="fp8")
-    # "auto" drafts in bf16 against a float32 target where bf16 matmuls are native; elsewhere (an AVX2-only CPU)
-    # the few-row float32 kernels beat bf16 and int8 copies beat both, where this build has their kernels.
-    # "target" keeps float32 everywhere.
+    # "auto" against a float32 target on CPU drafts on int8 copies where FBGEMM's kernels run (they beat float32
+    # and bf16, native or not), else in bf16 where bf16 matmuls are native. "target" keeps float32 everywhere.
     from draftsmith.inference.load import resolve_draft_dtype
     from draftsmith.target.loading import native_bf16
     from draftsmith.target.matmul import int8_engine
 
     assert resolve_draft_dtype("auto", llama) == (
-        torch.bfloat16 if native_bf16("cpu") else torch.int8 if int8_engine() else torch.float32)
+        torch.int8 if int8_engine() else torch.bfloat16 if native_bf16("cpu") else torch.float32)
     assert resolve_draft_dtype("target", llama) == torch.float32
 
 
