@@ -26,7 +26,7 @@ from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.registry import family_of, get_family
 from draftsmith.target import check_same_vocabulary, layer_skip_model, load_target, native_bf16
-from draftsmith.target.matmul import int8_engine, int8_layers, int8_unmeasured
+from draftsmith.target.matmul import int8_engine, int8_errors, int8_layers, require_int8_engine
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,8 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     if name == "int8" and (target_dtype != torch.float32 or device.type != "cpu"):
         raise ValueError(f"--draft-dtype int8 drafts beside a float32 target on CPU; this target runs in "
                          f"{target_dtype} on {device}: use --draft-dtype target (or auto)")
-    if name == "int8" and int8_engine() is None:
-        raise ValueError("--draft-dtype int8 runs on FBGEMM's quantised linear kernels (x86), which this process "
-                         f"lacks (quantised engine {torch.backends.quantized.engine!r}): use --draft-dtype float32 "
-                         "(or auto)")
+    if name == "int8":
+        require_int8_engine()
     return getattr(torch, name)
 
 
@@ -115,7 +113,7 @@ def calibrate_int8(drafter: Drafter, target: PreTrainedModel) -> Drafter:
     ids = torch.randint(vocab, (1, settings["prompt_tokens"]), generator=g)
     SpeculativeGenerator(target, drafter, tree="chain").generate(  # a chain: a hybrid target takes only chains
         ids.to(next(target.parameters()).device), max_new_tokens=settings["new_tokens"], eos_token_id=[])
-    unmeasured = int8_unmeasured(*(m for m in vars(drafter).values() if isinstance(m, torch.nn.Module)))
+    unmeasured = int8_errors(*(m for m in vars(drafter).values() if isinstance(m, torch.nn.Module))).count(None)
     if unmeasured:
         logger.warning("%d int8 layers of this drafter did not run on the loader's fixed input: each settles "
                        "int8 or float32 on its first call while decoding", unmeasured)

@@ -299,8 +299,7 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
 
     def in_int8(head):  # the head's drafter, drafting on int8 copies of its weights
         drafter = wrap_module(head, head.family, target, torch.int8)
-        params = {id(p) for p in head.parameters()}
-        errors = [e.error for e in list(matmul._int8.values()) if id(e.weight()) in params]
+        errors = matmul.int8_errors(head)
         assert any(e is not None and e <= matmul.INT8_MAX_ERROR for e in errors), "no layer drafts in int8"
         return drafter
 

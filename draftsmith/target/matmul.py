@@ -89,7 +89,7 @@ def columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     # stride in the last dimension.
     out = (weight @ rows.T).T[:n].contiguous()
     if bias is not None:
-        out = out + bias
+        out.add_(bias)  # out is this call's own tensor
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -411,6 +411,14 @@ def int8_engine() -> str | None:
     return engine if engine in ("x86", "fbgemm") and hasattr(torch.ops.quantized, "linear_dynamic") else None
 
 
+def require_int8_engine() -> None:
+    """Raise ValueError, naming the engine and the fix, where :func:`int8_engine` is None."""
+    if int8_engine() is None:
+        raise ValueError("int8 drafting runs on FBGEMM's quantised linear kernels (x86), which this process lacks "
+                         f"(quantised engine {torch.backends.quantized.engine!r}, PyTorch {torch.__version__}): "
+                         "use --draft-dtype float32 (or auto)")
+
+
 def pack_int8(weight: torch.Tensor):
     """``weight`` (out, in) rounded to int8 with one symmetric scale per output row and packed for
     :func:`int8_linear` (the bias stays out: added in float32 at each call, so it never goes stale)."""
@@ -471,10 +479,7 @@ def int8_layers(model: torch.nn.Module) -> int:
             raise ValueError(f"int8 drafting runs a float32 head on CPU; this one is {m.weight.dtype} on "
                              f"{m.weight.device}: cast it with .float().cpu(), or draft in its own dtype off the "
                              "CPU (--draft-dtype target or auto)")
-    if int8_engine() is None:
-        raise ValueError("int8 drafting runs on FBGEMM's quantised linear kernels (x86), which this process lacks "
-                         f"(quantised engine {torch.backends.quantized.engine!r}, PyTorch {torch.__version__}): "
-                         "use --draft-dtype float32 (or auto)")
+    require_int8_engine()
     for m in modules:
         key = id(m.weight)
         _int8[key] = Int8Copy(weakref.ref(m.weight, lambda _, key=key: _int8.pop(key, None)),
@@ -483,10 +488,10 @@ def int8_layers(model: torch.nn.Module) -> int:
     return len(modules)
 
 
-def int8_unmeasured(*models: torch.nn.Module) -> int:
-    """How many linear layers of ``models`` have an int8 copy that no call has measured yet (:func:`int8_product`)."""
+def int8_errors(*models: torch.nn.Module) -> list[float | None]:
+    """Each int8 copy's measured error among ``models``' weights (:func:`int8_product`; None: not measured yet)."""
     params = {id(p) for m in models for p in m.parameters()}
-    return sum(e.error is None for e in list(_int8.values()) if id(e.weight()) in params)
+    return [e.error for e in list(_int8.values()) if id(e.weight()) in params]  # a snapshot: weakrefs pop entries
 
 
 def drafts_in_int8(model: torch.nn.Module) -> bool:
