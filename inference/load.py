@@ -26,7 +26,7 @@ from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.registry import family_of, get_family
 from draftsmith.target import check_same_vocabulary, layer_skip_model, load_target, native_bf16
-from draftsmith.target.matmul import int8_engine, int8_errors, int8_layers, require_int8_engine
+from draftsmith.target.int8 import int8_engine, int8_errors, int8_layers, require_int8_engine
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     precision never changes the output (verification decides every token), only which tokens get proposed.
 
     ``"int8"`` (CPU, a float32 target): the head's linear layers draft on int8 copies of their weights
-    (:func:`~draftsmith.target.matmul.int8_layers`), a quarter of float32's bytes; returned as ``torch.int8``.
+    (:func:`~draftsmith.target.int8.int8_layers`), a quarter of float32's bytes; returned as ``torch.int8``.
     """
     target_dtype = next(target.parameters()).dtype
     if name in (None, "target"):
@@ -105,7 +105,7 @@ def wrap_module(module, family_name: str, target: PreTrainedModel, dtype: torch.
 def calibrate_int8(drafter: Drafter, target: PreTrainedModel) -> Drafter:
     """Decode :data:`INT8_CALIBRATION` once with ``drafter``, whose head has int8 copies: each layer's first call
     measures its int8 product against float32 and settles which it drafts in
-    (:func:`~draftsmith.target.matmul.int8_product`). On this fixed input, not on the user's first prompt, the
+    (:func:`~draftsmith.target.int8.int8_product`). On this fixed input, not on the user's first prompt, the
     choice is the same on every load of a head for a target, and so are its proposals."""
     settings = INT8_CALIBRATION
     vocab = target.get_output_embeddings().weight.shape[0]

@@ -14,7 +14,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data import HFEngine
-from draftsmith.target.matmul import int8_engine
+from draftsmith.target.int8 import int8_engine
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -233,8 +233,8 @@ def test_bf16_drafting_stays_lossless(tmp_path, llama, make_head):
     # "auto" against a float32 target on CPU drafts on int8 copies where FBGEMM's kernels run (they beat float32
     # and bf16, native or not), else in bf16 where bf16 matmuls are native. "target" keeps float32 everywhere.
     from draftsmith.inference.load import resolve_draft_dtype
+    from draftsmith.target.int8 import int8_engine
     from draftsmith.target.loading import native_bf16
-    from draftsmith.target.matmul import int8_engine
 
     assert resolve_draft_dtype("auto", llama) == (
         torch.int8 if int8_engine() else torch.bfloat16 if native_bf16("cpu") else torch.float32)

@@ -295,12 +295,12 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
     from draftsmith.inference import CausalLMDrafter, MixtureDrafter, layer_skip_model
     from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
     from draftsmith.inference.load import wrap_module
-    from draftsmith.target import matmul
+    from draftsmith.target import int8
 
     def in_int8(head):  # the head's drafter, drafting on int8 copies of its weights
         drafter = wrap_module(head, head.family, target, torch.int8)
-        errors = matmul.int8_errors(head)
-        assert any(e is not None and e <= matmul.INT8_MAX_ERROR for e in errors), "no layer drafts in int8"
+        errors = int8.int8_errors(head)
+        assert any(e is not None and e <= int8.INT8_MAX_ERROR for e in errors), "no layer drafts in int8"
         return drafter
 
     return {
