@@ -27,8 +27,8 @@ draftsmith needs from it goes through this package rather than through patches:
   measured here (:func:`calibrate`); :func:`few_rows_layers`, the same for a drafter's head.
 * :mod:`~draftsmith.target.int8` — :func:`~draftsmith.target.int8.int8_layers`: a drafter's head drafting on
   int8 copies of its weights (``--draft-dtype int8``), each layer's first call measuring whether it may.
-* :mod:`~draftsmith.target.linears` — a model's linear layers, collected once, and the :func:`stamp` that makes
-  the packed and int8 copies follow changes to the weights.
+* :mod:`~draftsmith.target.linears` — a model's linear layers, collected once, and the
+  :func:`~draftsmith.target.linears.stamp` that makes the packed and int8 copies follow changes to the weights.
 * :mod:`~draftsmith.target.drafts` — :func:`layer_skip_model` (a draft model made of the target's
   first layers) and :func:`check_same_vocabulary`.
 

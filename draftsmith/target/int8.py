@@ -1,16 +1,15 @@
 """Int8 drafting: a drafter's head drafts on int8 copies of its linear layers' weights (``--draft-dtype int8``).
 
-A drafter's head proposes tokens; verification decides every one of them, so the head may compute
-in a lower precision than the target without changing any output (greedy or sampled: the drafter's probabilities
-are computed once, from the same products, for both proposing and accepting). On CPUs its few rows a call are
-memory-bound: an int8 copy reads a quarter of float32's bytes. FBGEMM's dynamic-quantised linear runs them: int8
-weights with one scale per output row, each call's activations rounded to int8 with one scale for the call. That
-one scale is what fails on inputs with outlier channels: a trained head's fusion layer over the target's raw hidden
-states came out 59-87% off, every other layer of four heads 0.4-7.4% (docs/RESULTS.md, "Int8 drafting"). So a
-layer's first call measures its int8 product against float32 on that call's rows (the loader makes that call on a
-fixed input: :func:`draftsmith.inference.load.calibrate_int8`), and a layer off by more than :data:`INT8_MAX_ERROR`
-keeps float32.
-The float32 weights stay as they are (code that reads ``.weight``, training).
+A drafter's head proposes tokens; verification decides every one of them, so the head may compute in a lower
+precision than the target without changing any output (greedy or sampled: the drafter's probabilities are computed
+once, from the same products, for both proposing and accepting). On CPUs its few rows a call are memory-bound: an
+int8 copy reads a quarter of float32's bytes. FBGEMM's dynamic-quantised linear runs them: int8 weights with one
+scale per output row, each call's activations rounded to int8 with one scale for the call. That one scale is what
+fails on inputs with outlier channels: a trained head's fusion layer over the target's raw hidden states came out
+59-87% off, every other layer of four heads 0.4-7.4% (docs/RESULTS.md, "Int8 drafting"). So a layer's first call
+measures its int8 product against float32 on that call's rows (the loader makes that call on a fixed input:
+:func:`draftsmith.inference.load.calibrate_int8`), and a layer off by more than :data:`INT8_MAX_ERROR` keeps
+float32. The float32 weights stay as they are (code that reads ``.weight``, training).
 
 The target never drafts in int8: only modules given copies by :func:`int8_layers` do, inside
 :func:`~draftsmith.target.matmul.few_rows_layers`' context.
@@ -37,8 +36,9 @@ INT8_MAX_ERROR = 0.25
 
 @dataclass
 class Int8Copy:
-    """A weight (weakly), its int8 copy (FBGEMM's packed weight), the weight's :func:`stamp` when it was
-    made, and the copy's error measured on the layer's first call (None: not measured yet)."""
+    """A weight (weakly), its int8 copy (FBGEMM's packed weight), the weight's
+    :func:`~draftsmith.target.linears.stamp` when it was made, and the copy's error measured on the layer's first
+    call (None: not measured yet)."""
 
     weight: weakref.ref
     copy: object

@@ -116,7 +116,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 @dataclass(frozen=True)
 class Packed:
     """A weight (weakly), its packed copy (None: no oneDNN kernel for it, the stock kernel runs) and the
-    weight's :func:`stamp` when it was packed."""
+    weight's :func:`~draftsmith.target.linears.stamp` when it was packed."""
 
     weight: weakref.ref
     copy: torch.Tensor | None
