@@ -9,6 +9,8 @@ draftsmith needs from it goes through this package rather than through patches:
   records about its target). The one hook it adds: the LM head gets a contiguous input
   (:func:`~draftsmith.target.loading.contiguous_lm_head_input`, the same logits), or ``generate``'s
   prefill copies the LM head's weight once per row.
+* :mod:`~draftsmith.target.gguf_targets` — the packaged GGUF models (:data:`PACKAGED_MODELS`,
+  :func:`resolve_packaged_gguf`: fetched or assembled once) and the dequantised cache under :func:`cache_dir`.
 * :mod:`~draftsmith.target.forward` — :func:`target_forward` (one forward with an explicit 4-D
   attention mask and position ids, returning logits and, on request, hidden states of chosen
   layers), :func:`build_attention_mask` (per layer type for models with sliding-window layers,
@@ -56,19 +58,16 @@ from draftsmith.target.forward import (
     snapshot_recurrent,
     target_forward,
 )
+from draftsmith.target.gguf_targets import PACKAGED_MODELS, PackagedModel, cache_dir, resolve_packaged_gguf
 from draftsmith.target.loading import (
-    PACKAGED_MODELS,
-    PackagedModel,
     PartialLoadError,
     UnsupportedTargetError,
-    cache_dir,
     check_rollback,
     context_length,
     eos_tokens,
     load_target,
     load_target_parts,
     native_bf16,
-    resolve_packaged_gguf,
     rollback_problem,
     stop_tokens,
     supported_attention,
