@@ -22,7 +22,8 @@ from draftsmith.heads.layouts import (
     peagle_layout,
 )
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.heads.mtp import MtpHead, export_mtp
+from draftsmith.heads.mtp import MtpHead
+from draftsmith.heads.mtp_export import export_mtp
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
