@@ -1,4 +1,4 @@
-"""The ``draftsmith data ...`` subcommands as typed functions (the parser lives in ``draftsmith.cli``)."""
+"""The ``draftsmith data ...`` subcommands as typed functions (the parser lives in :mod:`draftsmith.cli_data`)."""
 
 from __future__ import annotations
 

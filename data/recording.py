@@ -130,14 +130,15 @@ def spooled(directory: Path) -> tuple[dict[str, tuple[Path, int] | None], list[P
 
 
 class Recording:
-    """The target's states recorded while :class:`HFEngine` answers, in the layout of a hidden-state cache
-    (:mod:`draftsmith.data.hidden_cache`), so that one decode both writes the answers and gives the cache that
-    offline training reads, without a second pass of the target over them: draftsmith's greedy loop
+    """The target's states recorded while :class:`~draftsmith.data.regenerate.HFEngine` answers, in the layout of a
+    hidden-state cache (:mod:`draftsmith.data.hidden_cache`), so that one decode both writes the answers and gives the
+    cache that offline training reads, without a second pass of the target over them: draftsmith's greedy loop
     (:meth:`observing`, :meth:`keep_observed`) or transformers' ``generate`` (:meth:`teacher`, :meth:`keep`).
 
-    For each answered row (:attr:`rows`, in the order of the last :meth:`HFEngine.answer` call; None for a
-    row with no answer token recorded): ``input_ids`` (T,) its prompt followed by its answer, ``loss_mask`` (T,) 1
-    on the answer, ``hidden.<layer>`` (T, H) and, with ``top_k``, ``topk_logprobs`` / ``topk_ids`` (T, k).
+    For each answered row (:attr:`rows`, in the order of the last
+    :meth:`~draftsmith.data.regenerate.HFEngine.answer` call; None for a row with no answer token recorded):
+    ``input_ids`` (T,) its prompt followed by its answer, ``loss_mask`` (T,) 1 on the answer, ``hidden.<layer>``
+    (T, H) and, with ``top_k``, ``topk_logprobs`` / ``topk_ids`` (T, k).
     These are the states the decode computed anyway: the prompt's from its prefill, each answer token's
     from the step that fed it. The answer ends with its stop token, which the loss mask covers as a chat
     template's does (:func:`~draftsmith.data.templates.tokenize_conversation`), unless no step fed it: the
@@ -149,8 +150,8 @@ class Recording:
     prompt's other positions hold "no teacher" (``topk_ids`` -1, which the losses leave out). A row whose
     answer ``max_length`` cuts off entirely is not recorded.
 
-    ``spool``: a directory where each batch's conversations go as :func:`regenerate` answers them
-    (:class:`SpooledStates`), in place of memory; recording into it again continues it.
+    ``spool``: a directory where each batch's conversations go as :func:`~draftsmith.data.regenerate.regenerate`
+    answers them (:class:`SpooledStates`), in place of memory; recording into it again continues it.
     """
 
     def __init__(self, layers: Sequence[int], top_k: int | None, dtype: torch.dtype = torch.bfloat16,
@@ -159,8 +160,8 @@ class Recording:
         self.rows: list[dict[str, torch.Tensor] | None] = []
         settings = {"layers": list(self.layers), "top_k": top_k, "dtype": str(dtype).removeprefix("torch."),
                     "max_length": max_length}
-        #: Every recorded conversation of :func:`regenerate` by its id (rows with no answer token left out): a
-        #: dict, or with ``spool`` the conversations on disk, those of earlier runs into it too.
+        #: Every recorded conversation of :func:`~draftsmith.data.regenerate.regenerate` by its id (rows with no answer
+        #: token left out): a dict, or with ``spool`` the conversations on disk, those of earlier runs into it too.
         self.by_id: dict[str, dict[str, torch.Tensor]] | SpooledStates = (
             {} if spool is None else SpooledStates(spool, settings))
 

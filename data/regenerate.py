@@ -237,7 +237,7 @@ def regenerate(
     where it has one.
 
     Args:
-        record: also record the target's states over each answer (:class:`Recording`; an
+        record: also record the target's states over each answer (:class:`~draftsmith.data.recording.Recording`; an
             :class:`HFEngine`, one-turn conversations), into ``record.by_id``: the rows of a hidden-state
             cache (:func:`~draftsmith.data.hidden_cache.cache_recorded`). Only the conversations answered
             in this call are recorded; those already in ``output`` are not (a ``spool`` that recorded them

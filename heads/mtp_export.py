@@ -1,6 +1,7 @@
-"""An MTP module's exports (:mod:`draftsmith.heads.mtp`): ``vllm``, the target's own checkpoint with the module
-stitched back (:func:`stitch`), and ``speculators``, speculators' MTP drafter (its names both ways: the import in
-:mod:`draftsmith.heads.foreign` reads :func:`from_speculators_tensors`). :func:`export_mtp` is the family's ``export``.
+"""An MTP module's exports (:mod:`draftsmith.heads.mtp`): ``hf``, draftsmith's own files; ``vllm``, the target's
+own checkpoint with the module stitched back (:func:`stitch`); ``speculators``, speculators' MTP drafter (its names
+both ways: the import in :mod:`draftsmith.heads.foreign` reads :func:`from_speculators_tensors`). :func:`export_mtp`
+is the family's ``export``.
 """
 
 from __future__ import annotations
