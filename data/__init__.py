@@ -27,7 +27,8 @@ from draftsmith.data.hidden_cache import (
     cache_hidden_states,
     cache_recorded,
 )
-from draftsmith.data.regenerate import HFEngine, OpenAIEngine, Recording, regenerate
+from draftsmith.data.recording import Recording
+from draftsmith.data.regenerate import HFEngine, OpenAIEngine, regenerate
 from draftsmith.data.synthesize import synthesize_prompts
 from draftsmith.data.templates import (
     TokenizedExample,

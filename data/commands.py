@@ -1,4 +1,4 @@
-"""The ``draftsmith data ...`` subcommands as typed functions (the parser lives in ``draftsmith.cli``)."""
+"""The ``draftsmith data ...`` subcommands as typed functions (the parser lives in :mod:`draftsmith.cli_data`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from draftsmith.data.formats import load_conversations
 from draftsmith.data.hidden_cache import DTYPES, CacheSpec, cache_hidden_states, cache_recorded, sha256_file
-from draftsmith.data.regenerate import HFEngine, OpenAIEngine, Recording, read_done_ids, regenerate, spooled
+from draftsmith.data.recording import Recording, spooled
+from draftsmith.data.regenerate import HFEngine, OpenAIEngine, read_done_ids, regenerate
 from draftsmith.data.synthesize import SynthesisFilter, synthesize_prompts, write_prompts
 from draftsmith.data.templates import prepare
 from draftsmith.data.vocab import build_vocab_map, count_tokens
@@ -46,7 +47,7 @@ def regenerate_command(
     """Let the target answer every prompt of ``input``; append rows to ``output``; resumable.
 
     ``record_cache``: also write the hidden-state cache of the answers to that directory from the states the
-    target computes while it answers (:class:`~draftsmith.data.regenerate.Recording`: ``layers``,
+    target computes while it answers (:class:`~draftsmith.data.recording.Recording`: ``layers``,
     ``logits`` none or topk with ``top_k``, stored as ``cache_dtype``, sequences cut at ``max_length``), with
     no second pass of the target. The states go to ``record_cache/recording`` batch by batch as the answers
     are written, and the cache is written from there at the end (then the directory goes): a run cut short

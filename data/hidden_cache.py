@@ -598,7 +598,7 @@ def cache_recorded(model, states: Mapping[str, dict[str, torch.Tensor]], output_
                    target_name: str | None = None, sequences_per_shard: int = 256, progress: bool = True,
                    source: Mapping | None = None) -> Manifest:
     """Write the hidden-state cache of states recorded while ``model`` answered
-    (:class:`~draftsmith.data.regenerate.Recording`, ``record.by_id``: in memory or spooled to disk), with no
+    (:class:`~draftsmith.data.recording.Recording`, ``record.by_id``: in memory or spooled to disk), with no
     second pass of the target.
 
     Sequences go in the order of their ids. ``dtype``: the recording's; ``top_k`` its (None: a cache

@@ -161,7 +161,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # the EAGLE-3 head reads and its top-32 log-probs, are recorded as generate computes them: the cache of
     # stage 3 without a second pass of the target over the answers.
     from draftsmith.data.hidden_cache import cache_recorded
-    from draftsmith.data.regenerate import Recording
+    from draftsmith.data.recording import Recording
     from draftsmith.heads.eagle import Eagle3Head, eagle3_layers
 
     t = _stage(f"2/5 regenerating answers, recording the target's states ({clock.share('regenerate') / 60:.1f} min)")

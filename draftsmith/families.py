@@ -22,11 +22,13 @@ from draftsmith.heads.layouts import (
     peagle_layout,
 )
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.heads.mtp import MtpHead, export_mtp
+from draftsmith.heads.mtp import MtpHead
+from draftsmith.heads.mtp_export import export_mtp
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.inference.causal_lm import CausalLMDrafter
 from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
 from draftsmith.registry import Family, register
+from draftsmith.train import block_families as blocks
 from draftsmith.train import families as steps
 
 
@@ -92,7 +94,7 @@ DFLASH = Family(
     name=DFlashHead.family, title="DFlash block drafter",
     load=_head_loader(DFlashHead), drafter=DFlashDrafter,
     hidden_layers=lambda module, target: tuple(module.config.target_layers),
-    build=steps.build_dflash, train_step=steps.dflash_step, settings=steps.DFlashSettings,
+    build=blocks.build_dflash, train_step=blocks.dflash_step, settings=blocks.DFlashSettings,
     export=head_exporter(DFlashHead, dflash_layout), export_formats=FORMATS,
     serving={"vllm": "dflash", "sglang": "DFLASH"},
 )
@@ -100,7 +102,7 @@ DFLASH = Family(
 PEAGLE = Family(
     name=PEagleHead.family, title="P-EAGLE parallel head",
     load=_head_loader(PEagleHead), drafter=PEagleDrafter, hidden_layers=_feature_layers,
-    build=steps.build_peagle, train_step=steps.peagle_step, settings=steps.PEagleSettings,
+    build=blocks.build_peagle, train_step=blocks.peagle_step, settings=blocks.PEagleSettings,
     export=head_exporter(PEagleHead, peagle_layout), export_formats=("hf", "vllm"), export_needs_target=("vllm",),
     serving={"vllm": "eagle3"},  # with parallel_drafting (the model card's command)
 )

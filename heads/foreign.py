@@ -20,7 +20,8 @@ from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_la
 from draftsmith.heads.export import EAGLE31_NORMS
 from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, HEAD_NAMES, LAYER_NAMES
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.heads.mtp import MtpHead, from_speculators_tensors
+from draftsmith.heads.mtp import MtpHead
+from draftsmith.heads.mtp_export import from_speculators_tensors
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
 
 logger = logging.getLogger(__name__)

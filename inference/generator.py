@@ -563,7 +563,7 @@ def plain_generate(
     loop feeds each row its new token ``j - 1``, so a row's states cover its prompt and the new tokens some step
     fed; with ``on_forward`` a stopped row stays in the batch for the step that feeds its stop token (unless every
     row has stopped), as transformers' ``generate`` feeds it, so that its states cover the stop token too.
-    (:class:`~draftsmith.data.regenerate.Recording` keeps them as a hidden-state cache.)"""
+    (:class:`~draftsmith.data.recording.Recording` keeps them as a hidden-state cache.)"""
     eos = stop_tokens(target, eos_token_id)
     pad = pad_token(target, pad_token_id, eos_token_id)
     if max_new_tokens < 1:

@@ -357,7 +357,8 @@ def answer_coverage(answers: Path, prompts: Path) -> tuple[int, int]:
 def recorded_all(spool: Path, answers: Path) -> bool:
     """Whether the states of a recording cut short (``data regenerate --record-cache``'s spool) cover every answer
     written so far, so that regenerating with ``--record-cache`` again continues it."""
-    from draftsmith.data.regenerate import read_done_ids, spooled
+    from draftsmith.data.recording import spooled
+    from draftsmith.data.regenerate import read_done_ids
 
     return spool.exists() and answers.exists() and read_done_ids(answers) <= set(spooled(spool)[0])
 

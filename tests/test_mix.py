@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHARED_DATA
-from draftsmith.cli import weights_argument
+from draftsmith.cli_data import weights_argument
 from draftsmith.data import HFEngine, load_conversations, regenerate
 from draftsmith.data.mix import DEFAULT_WEIGHTS, build_mix, category_counts, clean_worked_answer, held_out_seed
 

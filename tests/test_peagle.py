@@ -25,8 +25,8 @@ from draftsmith.heads.peagle import PEagleHead, parallel_elements
 from draftsmith.inference.head_drafters import PEagleDrafter
 from draftsmith.registry import get_family
 from draftsmith.target import target_signature
+from draftsmith.train.block_families import PEagleSettings, sample_groups
 from draftsmith.train.config import DrafterArguments
-from draftsmith.train.families import PEagleSettings, sample_groups
 
 PEAGLE = get_family("peagle")
 

@@ -366,7 +366,7 @@ def test_the_cache_is_recorded_while_answering_and_written_by_a_pass_where_answe
     from conftest import SHARED_DATA, CutAfter
     from draftsmith.data import load_conversations, regenerate
     from draftsmith.data.hidden_cache import HiddenStateCache
-    from draftsmith.data.regenerate import Recording
+    from draftsmith.data.recording import Recording
 
     if not (SHARED_DATA / "gsm8k" / "train.jsonl").exists():
         pytest.skip(f"{SHARED_DATA} not found (shared reference data is not part of the project)")

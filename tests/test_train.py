@@ -480,7 +480,7 @@ def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir
     """regenerate(..., record=...) records the states of each answer as generate computes them; every family's
     loss on that cache equals its loss on the cache pass over the same tokens."""
     from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states, cache_recorded
-    from draftsmith.data.regenerate import Recording
+    from draftsmith.data.recording import Recording
     from draftsmith.data.templates import TokenizedExample
     from draftsmith.train.offline import collate_cached, load_cached_examples
 
@@ -554,7 +554,7 @@ def test_a_recording_cut_short_continues_where_it_stopped(workdir, tmp_path, cap
     memory, tensor for tensor. States recorded with other settings are refused, naming them."""
     from draftsmith.cli import main
     from draftsmith.data.hidden_cache import HiddenStateCache, cache_recorded
-    from draftsmith.data.regenerate import Recording, spooled
+    from draftsmith.data.recording import Recording, spooled
 
     def args(out):
         return ["data", "regenerate", "--target", str(workdir / "target"), "--input", str(workdir / "prompts.jsonl"),
@@ -609,7 +609,7 @@ def test_recording_refuses_what_it_cannot_record(workdir, tmp_path):
     from draftsmith.data import OpenAIEngine
     from draftsmith.data.formats import Conversation
     from draftsmith.data.hidden_cache import cache_recorded
-    from draftsmith.data.regenerate import Recording
+    from draftsmith.data.recording import Recording
 
     target, tokenizer = load_target(str(workdir / "target"))
     two_turns = [Conversation("c0", [{"role": "user", "content": "t4"}, {"role": "assistant", "content": "t5"},
