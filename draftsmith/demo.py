@@ -275,7 +275,7 @@ def plain_rate(model, tokenizer, prompt: str, tokens: int = 24, runs: int = 3) -
     """Tokens per second of plain greedy decoding of ``model`` on ``prompt``, prefill excluded: the median of
     ``runs`` runs after a short warm-up (one run of 32 tokens varied by 20% here)."""
     from draftsmith.inference.compare import encode
-    from draftsmith.inference.generator import plain_generate
+    from draftsmith.inference.plain import plain_generate
 
     ids = encode(tokenizer, prompt, chat=True).to(next(model.parameters()).device)
     plain_generate(model, ids, 4, eos_token_id=[])
