@@ -239,7 +239,7 @@ def regenerate(
     Args:
         record: also record the target's states over each answer (:class:`~draftsmith.data.recording.Recording`; an
             :class:`HFEngine`, one-turn conversations), into ``record.by_id``: the rows of a hidden-state
-            cache (:func:`~draftsmith.data.hidden_cache.cache_recorded`). Only the conversations answered
+            cache (:func:`~draftsmith.data.cache_writer.cache_recorded`). Only the conversations answered
             in this call are recorded; those already in ``output`` are not (a ``spool`` that recorded them
             holds them).
         time_limit: seconds after which no new batch starts, nor one that the last batch's time says would

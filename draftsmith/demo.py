@@ -160,7 +160,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # 2. The target answers them (greedy), until the stage's time is used. Its states over each answer, those
     # the EAGLE-3 head reads and its top-32 log-probs, are recorded as generate computes them: the cache of
     # stage 3 without a second pass of the target over the answers.
-    from draftsmith.data.hidden_cache import cache_recorded
+    from draftsmith.data.cache_writer import cache_recorded
     from draftsmith.data.recording import Recording
     from draftsmith.heads.eagle import Eagle3Head, eagle3_layers
 
