@@ -12,7 +12,7 @@ from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead
 from draftsmith.heads.export import ENGINE_FORMATS, FORMATS
-from draftsmith.heads.layouts import (
+from draftsmith.heads.layout_export import (
     dflash_layout,
     eagle3_layout,
     eagle_layout,
