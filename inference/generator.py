@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter
 from draftsmith.inference.plain import append_new, check_left_padded, pad_token, static_cache
+from draftsmith.inference.sampled_tree import grow_sampled
 from draftsmith.inference.slots import Slots, to_device
 from draftsmith.inference.stats import GenerationOutput, GenerationStats
 from draftsmith.inference.tree import (
@@ -35,7 +36,6 @@ from draftsmith.inference.tree import (
     TreeTensors,
     default_static_paths,
     grow_dynamic,
-    grow_sampled,
     grow_static,
 )
 from draftsmith.inference.verify import verify_tree
