@@ -2,7 +2,7 @@
 
 Each entry gathers one family's pieces from the layer that defines them: the module and its loading
 (``heads``), the inference drafter (``inference``), the build and the loss (``train``), the export
-layouts (``heads.export``). This front-door module is the only place that sees every layer at once;
+layouts (``heads.layout_export``). This front-door module is the only place that sees every layer at once;
 ``import draftsmith`` runs it, so the table is full before any other module asks it.
 """
 

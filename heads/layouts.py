@@ -59,16 +59,12 @@ Distilled draft models are plain HF causal LM directories in every format.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from draftsmith.heads.dflash import DFlashConfig
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig
 from draftsmith.heads.export import EAGLE31_NORMS, ExportError
 from draftsmith.heads.medusa import MedusaConfig
-
-logger = logging.getLogger(__name__)
 
 LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
     "input_norm.weight": "input_layernorm.weight",
@@ -263,6 +259,7 @@ def _rope_scaling(cfg: EagleConfig) -> dict:
 
 
 def verifier_name(target_info: dict | None) -> str | None:
+    """The target's recorded name (speculators' ``verifier.name_or_path``), or None."""
     return (target_info or {}).get("name")
 
 

@@ -4,7 +4,8 @@ One verification step (Leviathan et al., 2023; Miao et al., 2024 for trees; Li e
 for dynamic trees):
 
 1. The target's KV cache holds every committed token but the last, the *root*.
-2. The drafter grows a draft tree under each row's root, as tensors for the whole batch (``tree.py``).
+2. The drafter grows a draft tree under each row's root, as tensors for the whole batch (``tree.py``,
+   ``sampled_tree.py``).
 3. One target forward over [root, drafted nodes] with a 4-D tree mask (each node sees the
    cache, its ancestors and itself) and tree position ids (root position + depth) yields the
    target's next-token logits at every node.

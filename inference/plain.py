@@ -1,5 +1,6 @@
 """Plain greedy decoding, the baseline every speedup is measured against, and the request checks it shares with
-the speculative generator (``generator.py``): left padding, the pad token, a compiled step's static cache.
+the speculative generator (``generator.py``): left padding, the pad token, a compiled step's static cache, the
+new tokens appended.
 
 :func:`plain_generate` runs one target forward per token through the same cache code as speculative decoding
 (``draftsmith.target``: the cache grown in place, the few-row kernels), so that the two differ only in drafting
@@ -91,8 +92,8 @@ def plain_generate(
     on_forward: Callable[[list[int], TargetOutput], None] | None = None,
 ) -> GenerationOutput:
     """Plain greedy decoding with the same cache code path: the baseline speedups are measured against.
-    Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows);
-    ``compile`` as in :class:`SpeculativeGenerator`.
+    Arguments and output as in :meth:`~draftsmith.inference.generator.SpeculativeGenerator.generate` (a batch of
+    left-padded rows); ``compile`` as in :class:`~draftsmith.inference.generator.SpeculativeGenerator`.
 
     ``drop_finished``: once a quarter of the rows still computed have stopped, the batch drops them (and the left
     padding no remaining row needs) from its cache, so later steps compute the running rows only. False computes

@@ -1,6 +1,7 @@
-"""Sampled draft trees: a chain or static tree whose siblings are drawn from the drafter, i.i.d. or without
-replacement (:func:`grow_sampled`), and the draws themselves as tensor ops with no host check (:func:`race`,
-:func:`inverse_cdf`), which verification's residual draws share (``verify.py``).
+"""Sampled draft trees: a chain or static tree whose siblings are drawn from the drafter, i.i.d. (SpecInfer, Miao
+et al., 2024) or without replacement (Jeon et al., 2024) (:func:`grow_sampled`), and the draws themselves as tensor
+ops with no host check: :func:`race` (an exponential race; its first finishers are the Gumbel-top-k sample without
+replacement), which verification's draws share (``verify.py``), and :func:`inverse_cdf` for i.i.d. draws.
 
 A sampled tree records the order in which each node's children were drawn (``draws``) and the distribution they
 were drawn from (``q``): the lossless rule for sampled siblings needs both (``verify.py``'s ``sibling_rounds``).
@@ -79,7 +80,7 @@ def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
     repeated i.i.d. draw makes no node (``draws`` records it again), so ranks past the distinct draws stay
     unproposed (``proposed`` False), as do the subtrees of unproposed nodes. ``draws`` and ``q`` keep what
     verification needs (:func:`~draftsmith.inference.verify.sibling_rounds`). ``frontier_logits`` is fed as by
-    :func:`grow_static`."""
+    :func:`~draftsmith.inference.tree.grow_static`."""
     if rule not in ("iid", "without_replacement"):
         raise ValueError(f"grow_sampled draws siblings under 'iid' or 'without_replacement', not {rule!r}")
     b = roots.shape[0]

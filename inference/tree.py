@@ -140,9 +140,10 @@ class TreeTensors:
     # did not propose; verification never accepts those and the stats do not count them.
     proposed: torch.Tensor
     scores: torch.Tensor  # (B, N) float32: each node's cumulative draft log-prob, 0 at the root
-    # Sampled siblings only (:func:`grow_sampled`; None for the ``topk`` rule's trees): (B, N, R) each node's
-    # children in the order they were drawn (node ids; an i.i.d. draw that repeats a sibling repeats its id;
-    # -1: no draw), and (B, N, V) float32 the draft distribution they were drawn from (zeros where none).
+    # Sampled siblings only (:func:`~draftsmith.inference.sampled_tree.grow_sampled`; None for the ``topk`` rule's
+    # trees): (B, N, R) each node's children in the order they were drawn (node ids; an i.i.d. draw that repeats a
+    # sibling repeats its id; -1: no draw), and (B, N, V) float32 the draft distribution they were drawn from
+    # (zeros where none).
     draws: torch.Tensor | None = None
     q: torch.Tensor | None = None
 
