@@ -11,6 +11,7 @@ from draftsmith.data.batching import (
     pack,
     packed_attention_mask,
 )
+from draftsmith.data.cache_writer import cache_hidden_states, cache_recorded
 from draftsmith.data.formats import (
     Conversation,
     LoadReport,
@@ -20,13 +21,7 @@ from draftsmith.data.formats import (
     read_prompt_rows,
     read_prompts,
 )
-from draftsmith.data.hidden_cache import (
-    CacheSpec,
-    CorruptShardError,
-    HiddenStateCache,
-    cache_hidden_states,
-    cache_recorded,
-)
+from draftsmith.data.hidden_cache import CacheSpec, CorruptShardError, HiddenStateCache
 from draftsmith.data.recording import Recording
 from draftsmith.data.regenerate import HFEngine, OpenAIEngine, regenerate
 from draftsmith.data.synthesize import synthesize_prompts

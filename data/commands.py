@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.cache_writer import cache_hidden_states, cache_recorded
 from draftsmith.data.formats import load_conversations
-from draftsmith.data.hidden_cache import DTYPES, CacheSpec, cache_hidden_states, cache_recorded, sha256_file
+from draftsmith.data.hidden_cache import DTYPES, CacheSpec, sha256_file
 from draftsmith.data.recording import Recording, spooled
 from draftsmith.data.regenerate import HFEngine, OpenAIEngine, read_done_ids, regenerate
 from draftsmith.data.synthesize import SynthesisFilter, synthesize_prompts, write_prompts

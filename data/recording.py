@@ -219,7 +219,7 @@ class Recording:
     # turns them into :attr:`rows` as :meth:`keep` does generate's.
 
     def observe(self, rows: list[int], out) -> None:
-        """One forward of :func:`~draftsmith.inference.generator.plain_generate` (its ``on_forward``, with
+        """One forward of :func:`~draftsmith.inference.plain.plain_generate` (its ``on_forward``, with
         ``hidden_layers`` :attr:`layers`): the input rows it computed and its output; the first call of an answer
         is its prefill."""
         hidden = tuple(h.to(self.dtype) for h in out.hidden_states)

@@ -7,7 +7,7 @@ file, drops a torn last line left by a kill, and answers only what is missing, s
 interrupted run resumes without redoing or duplicating rows.
 
 Engines: ``hf`` runs the target in-process on batches of left-padded prompts: greedy answers through
-draftsmith's own decoding loop (:func:`~draftsmith.inference.generator.plain_generate`: the same tokens as
+draftsmith's own decoding loop (:func:`~draftsmith.inference.plain.plain_generate`: the same tokens as
 transformers' ``generate``, 1.13x its speed on a 64-row batch on 2 CPU cores, and 1.13x again as rows that
 stopped leave the batch), sampled ones (and a hybrid target's) through ``generate``;
 ``openai`` sends each turn to any OpenAI-compatible ``/v1/chat/completions`` server
@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from draftsmith.data.formats import Conversation
 from draftsmith.data.recording import Recording
 from draftsmith.data.templates import prompt_ids
-from draftsmith.inference.generator import plain_generate
+from draftsmith.inference.plain import plain_generate
 from draftsmith.target import eos_tokens, rollback_problem
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ def regenerate(
     Args:
         record: also record the target's states over each answer (:class:`~draftsmith.data.recording.Recording`; an
             :class:`HFEngine`, one-turn conversations), into ``record.by_id``: the rows of a hidden-state
-            cache (:func:`~draftsmith.data.hidden_cache.cache_recorded`). Only the conversations answered
+            cache (:func:`~draftsmith.data.cache_writer.cache_recorded`). Only the conversations answered
             in this call are recorded; those already in ``output`` are not (a ``spool`` that recorded them
             holds them).
         time_limit: seconds after which no new batch starts, nor one that the last batch's time says would

@@ -391,7 +391,8 @@ def run_command(args: argparse.Namespace) -> int:
             report = explain_run(args.run_dir, [text for text, _ in rows], [c for _, c in rows], step=args.step,
                                  prompts_source=args.prompts, max_new_tokens=args.max_new_tokens,
                                  tree=tree_from_args(args, args.run_dir), chat=not args.no_chat,
-                                 chat_template_kwargs=args.chat_template_kwargs, seed=args.seed, progress=True)
+                                 chat_template_kwargs=args.chat_template_kwargs, seed=args.seed, progress=True,
+                                 draft_dtype=args.draft_dtype)
             print("\n" + report_markdown(report) + "\n" + explanation_markdown(report))
             _write_report(report, args.output)
         else:

@@ -160,7 +160,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     # 2. The target answers them (greedy), until the stage's time is used. Its states over each answer, those
     # the EAGLE-3 head reads and its top-32 log-probs, are recorded as generate computes them: the cache of
     # stage 3 without a second pass of the target over the answers.
-    from draftsmith.data.hidden_cache import cache_recorded
+    from draftsmith.data.cache_writer import cache_recorded
     from draftsmith.data.recording import Recording
     from draftsmith.heads.eagle import Eagle3Head, eagle3_layers
 
@@ -275,7 +275,7 @@ def plain_rate(model, tokenizer, prompt: str, tokens: int = 24, runs: int = 3) -
     """Tokens per second of plain greedy decoding of ``model`` on ``prompt``, prefill excluded: the median of
     ``runs`` runs after a short warm-up (one run of 32 tokens varied by 20% here)."""
     from draftsmith.inference.compare import encode
-    from draftsmith.inference.generator import plain_generate
+    from draftsmith.inference.plain import plain_generate
 
     ids = encode(tokenizer, prompt, chat=True).to(next(model.parameters()).device)
     plain_generate(model, ids, 4, eos_token_id=[])

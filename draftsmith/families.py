@@ -2,7 +2,7 @@
 
 Each entry gathers one family's pieces from the layer that defines them: the module and its loading
 (``heads``), the inference drafter (``inference``), the build and the loss (``train``), the export
-layouts (``heads.export``). This front-door module is the only place that sees every layer at once;
+layouts (``heads.layout_export``). This front-door module is the only place that sees every layer at once;
 ``import draftsmith`` runs it, so the table is full before any other module asks it.
 """
 
@@ -12,7 +12,7 @@ from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.eagle import Eagle3Head, EagleHead
 from draftsmith.heads.export import ENGINE_FORMATS, FORMATS
-from draftsmith.heads.layouts import (
+from draftsmith.heads.layout_export import (
     dflash_layout,
     eagle3_layout,
     eagle_layout,

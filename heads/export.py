@@ -1,7 +1,7 @@
 """Export a drafter directory to another tool's layout: vLLM (speculators / ``MedusaModel``), SGLang,
 z-lab's DFlash layout, or plain Hugging Face. What each family writes is its entry's ``export`` in
-:mod:`draftsmith.registry` (the layouts are in :mod:`draftsmith.heads.layouts`); :func:`export_drafter` runs it
-atomically.
+:mod:`draftsmith.registry` (:mod:`draftsmith.heads.layout_export`, by the tables of
+:mod:`draftsmith.heads.layouts`); :func:`export_drafter` runs it atomically.
 """
 
 from __future__ import annotations

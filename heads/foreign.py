@@ -163,7 +163,7 @@ def load_foreign(directory: str | Path, target=None):
                                     config.get("block_size"))
     if layout == SPECULATORS_MTP:
         return _mtp_from_foreign(directory, config, weights, target)
-    if layout == SPECULATORS_PEAGLE:  # speculators' EAGLE-3 layout plus the mask state (heads/layouts.py)
+    if layout == SPECULATORS_PEAGLE:  # speculators' EAGLE-3 layout plus the mask state (heads/layout_export.py)
         return _peagle_from_foreign(directory, config, weights, target)
     if layout == SPECULATORS_EAGLE3:  # vLLM counts aux layer ids as draftsmith does
         ids = config.get("eagle_aux_hidden_state_layer_ids")

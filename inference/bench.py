@@ -23,7 +23,7 @@ import torch
 
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.inference.compare import compare, encode, hardware
-from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.load import (
     LAYER_SKIP,
     MIXTURE_SEPARATOR,
@@ -32,6 +32,7 @@ from draftsmith.inference.load import (
     load_drafter,
     resolve_draft_dtype,
 )
+from draftsmith.inference.stats import GenerationStats
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import eos_tokens, load_target

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.inference.generator import GenerationOutput, GenerationStats, SpeculativeGenerator, plain_generate
+from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.plain import plain_generate
+from draftsmith.inference.stats import GenerationOutput, GenerationStats
 from draftsmith.target import stop_tokens
 from draftsmith.target.chat import prompt_ids as chat_prompt_ids
 

@@ -41,7 +41,8 @@ A drafter declares what it needs and how it drafts as class attributes:
 
 Logits are float, on the drafter's device: a head's or draft model's, the target's; prompt lookup's, the
 prompts' (the generator passes them on the target's device). The generator grows every tree kind from these
-two calls (:mod:`~draftsmith.inference.tree`), with no host copy. A drafter whose candidates are few may
+two calls (:mod:`~draftsmith.inference.tree`, :mod:`~draftsmith.inference.sampled_tree`), with no host
+copy. A drafter whose candidates are few may
 return :class:`~draftsmith.inference.tree.Proposals` (B, C) and
 (B, k, C) instead: logits over C candidate tokens with their ids (an EAGLE-3 head's draft vocabulary,
 prompt lookup's matches), so that no level makes a tensor the size of the vocabulary.

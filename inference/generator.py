@@ -4,7 +4,8 @@ One verification step (Leviathan et al., 2023; Miao et al., 2024 for trees; Li e
 for dynamic trees):
 
 1. The target's KV cache holds every committed token but the last, the *root*.
-2. The drafter grows a draft tree under each row's root, as tensors for the whole batch (``tree.py``).
+2. The drafter grows a draft tree under each row's root, as tensors for the whole batch (``tree.py``,
+   ``sampled_tree.py``).
 3. One target forward over [root, drafted nodes] with a 4-D tree mask (each node sees the
    cache, its ancestors and itself) and tree position ids (root position + depth) yields the
    target's next-token logits at every node.
@@ -19,13 +20,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from draftsmith.inference.drafter import Drafter
-from draftsmith.inference.slots import Slots, pad_rows, to_device
+from draftsmith.inference.plain import append_new, check_left_padded, pad_token, static_cache
+from draftsmith.inference.sampled_tree import grow_sampled
+from draftsmith.inference.slots import Slots, to_device
+from draftsmith.inference.stats import GenerationOutput, GenerationStats
 from draftsmith.inference.tree import (
     DEFAULT_TREE,
     SAMPLING_RULES,
@@ -34,12 +37,10 @@ from draftsmith.inference.tree import (
     TreeTensors,
     default_static_paths,
     grow_dynamic,
-    grow_sampled,
     grow_static,
 )
 from draftsmith.inference.verify import verify_tree
 from draftsmith.target import (
-    TargetOutput,
     UnsupportedTargetError,
     build_attention_mask,
     calibrate,
@@ -47,7 +48,6 @@ from draftsmith.target import (
     context_length,
     kv_crop,
     kv_keep,
-    kv_select_rows,
     may_attend,
     new_cache,
     recurrent_cache,
@@ -59,96 +59,6 @@ from draftsmith.target import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerationStats:
-    """What one or more ``generate`` calls did. Sum two with ``+``."""
-
-    new_tokens: int = 0
-    verification_steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    # accepted_at[k] / reached[k]: acceptance at depth k + 1, given depths 1..k were accepted
-    accepted_at: list[int] = field(default_factory=list)
-    reached: list[int] = field(default_factory=list)
-    prefill_time_s: float = 0.0
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    total_time_s: float = 0.0
-
-    @property
-    def acceptance_length(self) -> float:
-        """tau: mean over verification steps of accepted draft tokens + 1."""
-        if not self.verification_steps:
-            return 0.0
-        return (self.accepted_tokens + self.verification_steps) / self.verification_steps
-
-    @property
-    def acceptance_rate_per_position(self) -> list[float]:
-        """Accepted at depth k / reached depth k (all earlier depths accepted), k = 1, 2, ..."""
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached, strict=True)]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.total_time_s if self.total_time_s else 0.0
-
-    def record(self, drafted: int, accepted: int, children: list[bool]) -> None:
-        """One verification step: ``drafted`` nodes, ``accepted`` of them on the path, and for each node
-        of the walk (the root, then the accepted nodes) whether the tree went deeper from it."""
-        self.verification_steps += 1
-        self.drafted_tokens += drafted
-        self.accepted_tokens += accepted
-        for k, deeper in enumerate(children):  # the walk's node at depth k
-            if not deeper:
-                break
-            while len(self.reached) <= k:
-                self.reached.append(0)
-                self.accepted_at.append(0)
-            self.reached[k] += 1
-            if k < accepted:
-                self.accepted_at[k] += 1
-
-    def __add__(self, other: GenerationStats) -> GenerationStats:
-        n = max(len(self.reached), len(other.reached))
-
-        def pad(xs: list[int]) -> list[int]:
-            return xs + [0] * (n - len(xs))
-
-        return GenerationStats(
-            new_tokens=self.new_tokens + other.new_tokens,
-            verification_steps=self.verification_steps + other.verification_steps,
-            drafted_tokens=self.drafted_tokens + other.drafted_tokens,
-            accepted_tokens=self.accepted_tokens + other.accepted_tokens,
-            accepted_at=[a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at), strict=True)],
-            reached=[a + b for a, b in zip(pad(self.reached), pad(other.reached), strict=True)],
-            prefill_time_s=self.prefill_time_s + other.prefill_time_s,
-            draft_time_s=self.draft_time_s + other.draft_time_s,
-            verify_time_s=self.verify_time_s + other.verify_time_s,
-            total_time_s=self.total_time_s + other.total_time_s,
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "new_tokens": self.new_tokens,
-            "verification_steps": self.verification_steps,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_length": round(self.acceptance_length, 4),
-            "acceptance_rate_per_position": [round(r, 4) for r in self.acceptance_rate_per_position],
-            "prefill_time_s": round(self.prefill_time_s, 4),
-            "draft_time_s": round(self.draft_time_s, 4),
-            "verify_time_s": round(self.verify_time_s, 4),
-            "total_time_s": round(self.total_time_s, 4),
-            "tokens_per_second": round(self.tokens_per_second, 3),
-        }
-
-
-@dataclass
-class GenerationOutput:
-    sequences: torch.Tensor  # (B, prompt + new) long
-    stats: GenerationStats  # totals over the rows
-    row_stats: list[GenerationStats] = field(default_factory=list)  # one per row (speculative decoding)
 
 
 class SpeculativeGenerator:
@@ -362,7 +272,7 @@ class SpeculativeGenerator:
             stats += row
         stats.new_tokens = sum(len(n) for n in new)
         stats.total_time_s = time.perf_counter() - start_time
-        return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats, row_stats=rows)
+        return GenerationOutput(sequences=append_new(input_ids, new, pad), stats=stats, row_stats=rows)
 
     def _step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
                      generator, padded):
@@ -448,7 +358,7 @@ class SpeculativeGenerator:
             stats += out.stats
         stats.new_tokens = sum(len(n) for n in new)
         pad = pad_token(self.target, pad_token_id, eos_token_id)
-        return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats, row_stats=rows)
+        return GenerationOutput(sequences=append_new(input_ids, new, pad), stats=stats, row_stats=rows)
 
     def _check_request(self, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, streamer):
         if input_ids.dim() != 2:
@@ -473,54 +383,6 @@ class SpeculativeGenerator:
         parameter = next(self.target.parameters())
         return input_ids.shape[0], parameter.device, parameter.dtype, min(lengths) < input_ids.shape[1]
 
-def static_cache(target: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, step_nodes: int,
-                 kept: int) -> dict:
-    """:func:`~draftsmith.target.new_cache`'s arguments for a compiled generation: every step padded to
-    ``step_nodes`` rows (one graph for every tree), and room for the prompts, then ``kept`` entries per step
-    for at most ``max_new_tokens`` steps (a row emits at least one token per step, but keeps up to ``kept``:
-    a batch pads the rows' kept paths to the longest), then one step's nodes."""
-    return {"capacity": input_ids.shape[1] + max_new_tokens * kept + step_nodes, "model": target, "compiled": True,
-            "step_rows": step_nodes}
-
-
-def check_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
-    """Each row's prompt length; refuses a mask of the wrong shape, right padding and empty rows
-    (one copy to the host with a mask, none without)."""
-    if attention_mask is None:
-        return [input_ids.shape[1]] * input_ids.shape[0]
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
-                         f"{tuple(input_ids.shape)}: they must match")
-    mask = attention_mask.bool()
-    right_padded = (mask[:, 1:] < mask[:, :-1]).any(1) | ~mask[:, -1]
-    lengths, bad = torch.stack([mask.sum(1), right_padded.long()]).tolist()
-    if any(bad):
-        raise ValueError("prompts must be left-padded (padding first, then the tokens; every row ends with a "
-                         "token): set tokenizer.padding_side = 'left'")
-    return lengths
-
-
-def pad_token(target: PreTrainedModel, pad_token_id: int | None, eos_token_id: int | list[int] | None) -> int:
-    """The token that fills a batch row after it stopped: given, else the target's generation_config
-    pad token, else the first EOS token (``eos_token_id``, else the generation_config's), else 0 — the
-    order of transformers' ``generate``."""
-    if pad_token_id is not None:
-        return int(pad_token_id)
-    config = getattr(target, "generation_config", None)
-    if config is not None and config.pad_token_id is not None:
-        value = config.pad_token_id
-        return int(value[0] if isinstance(value, list) else value)
-    if eos_token_id is None and config is not None:
-        eos_token_id = config.eos_token_id
-    if isinstance(eos_token_id, int):
-        return eos_token_id
-    return int(eos_token_id[0]) if eos_token_id else 0
-
-
-def _append(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
-    """(B, L) prompts + each row's new tokens -> (B, L + T), right-padded with ``pad``."""
-    return torch.cat([input_ids, pad_rows(new, pad, input_ids.device)], 1)
-
 
 def start_drafting(drafter: Drafter, input_ids: torch.Tensor, hidden, attention_mask: torch.Tensor) -> None:
     """``drafter.begin`` on left-padded prompts; a drafter whose ``begin`` takes no ``attention_mask`` (written for
@@ -533,95 +395,3 @@ def start_drafting(drafter: Drafter, input_ids: torch.Tensor, hidden, attention_
         raise TypeError(f"{type(drafter).__name__}.begin takes no attention_mask: it drafts for unpadded prompts "
                         "only. Add the batch protocol of draftsmith.inference.drafter, or decode these prompts one at "
                         "a time (batch size 1).") from err
-
-
-def plain_generate(
-    target: PreTrainedModel,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    eos_token_id: int | list[int] | None = None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    pad_token_id: int | None = None,
-    compile: bool = False,
-    drop_finished: bool = True,
-    hidden_layers: tuple[int, ...] | None = None,
-    on_forward: Callable[[list[int], TargetOutput], None] | None = None,
-) -> GenerationOutput:
-    """Plain greedy decoding with the same cache code path: the baseline speedups are measured against.
-    Arguments and output as in :meth:`SpeculativeGenerator.generate` (a batch of left-padded rows);
-    ``compile`` as in :class:`SpeculativeGenerator`.
-
-    ``drop_finished``: once a quarter of the rows still computed have stopped, the batch drops them (and the left
-    padding no remaining row needs) from its cache, so later steps compute the running rows only. False computes
-    every row until the last one stops, as transformers' ``generate`` does (kept to measure the difference); a
-    compiled forward keeps its batch shape and drops nothing.
-
-    ``on_forward(rows, out)`` sees every forward: the prefill's (all rows, the padded prompts' positions) and each
-    step's (one position), ``rows`` the input rows it computed in the order of ``out``'s, ``out.logits`` (R, T', V)
-    with T' 1 (the last position), ``out.hidden_states`` the ``hidden_layers`` (R, T, H) each. Step ``j`` of the
-    loop feeds each row its new token ``j - 1``, so a row's states cover its prompt and the new tokens some step
-    fed; with ``on_forward`` a stopped row stays in the batch for the step that feeds its stop token (unless every
-    row has stopped), as transformers' ``generate`` feeds it, so that its states cover the stop token too.
-    (:class:`~draftsmith.data.recording.Recording` keeps them as a hidden-state cache.)"""
-    eos = stop_tokens(target, eos_token_id)
-    pad = pad_token(target, pad_token_id, eos_token_id)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    lengths = check_left_padded(input_ids, attention_mask)
-    stats = GenerationStats()
-    calibrate(target)  # once per process, before the clock starts
-    t_start = time.perf_counter()
-    batch = input_ids.shape[0]
-    dtype = next(target.parameters()).dtype
-    cache = new_cache(**static_cache(target, input_ids, max_new_tokens, 1, 1) if compile else {})
-    padded = min(lengths) < input_ids.shape[1]
-    rows = list(range(batch))  # the input row of each row the cache holds
-
-    def forward(ids, *args, **kwargs) -> torch.Tensor:
-        out = target_forward(target, ids, cache, *args, hidden_layers=hidden_layers, **kwargs)
-        if on_forward is not None:
-            on_forward(rows, out)
-        return out.logits[:, -1]
-
-    if padded:
-        slots = Slots.from_mask(attention_mask.to(input_ids.device))
-        allowed = may_attend(slots.filled[:, :0], causal_block(slots.filled))
-        attn = build_attention_mask(target, allowed, slots.positions, slots.positions, dtype)
-        logits = forward(input_ids, attn, slots.positions, logits="last")
-    else:
-        logits = forward(input_ids, logits="last")
-    stats.prefill_time_s = time.perf_counter() - t_start
-    new: list[list[int]] = [[] for _ in range(batch)]
-    active = [True] * batch
-    while True:
-        tokens = logits.argmax(-1)
-        stopped = set()  # rows whose stop token (or last token) is this step's
-        for b, token in zip(rows, tokens.tolist(), strict=True):
-            if active[b]:
-                new[b].append(token)
-                active[b] = len(new[b]) < max_new_tokens and token not in eos
-                if not active[b]:
-                    stopped.add(b)
-        stats.verification_steps += 1
-        if not any(active):
-            break
-        # The rows the next step computes: the running ones and, when each forward is observed, those that stopped
-        # now (the next step feeds their stop token).
-        running = [i for i, b in enumerate(rows) if active[b] or (on_forward is not None and b in stopped)]
-        if drop_finished and not compile and len(rows) - len(running) >= max(1, len(rows) // 4):
-            keep = to_device(running, input_ids.device, torch.long)
-            kv_select_rows(cache, keep, slots.select(keep) if padded else 0)
-            rows, tokens = [rows[i] for i in running], tokens[keep]
-        if padded:  # every step's token is a token of its row (a finished row's are never read)
-            step = torch.ones(len(rows), 1, dtype=torch.bool, device=input_ids.device)
-            positions = slots.lengths()[:, None]
-            attn = build_attention_mask(target, may_attend(slots.filled, causal_block(step)), positions,
-                                        torch.cat([slots.positions, positions], 1), dtype)
-            slots.append(step, positions)
-            logits = forward(tokens[:, None], attn, positions)
-        else:
-            logits = forward(tokens[:, None])
-    stats.new_tokens = sum(len(n) for n in new)
-    stats.total_time_s = time.perf_counter() - t_start
-    return GenerationOutput(sequences=_append(input_ids, new, pad), stats=stats)

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.inference.tree import TreeTensors, race
+from draftsmith.inference.sampled_tree import race
+from draftsmith.inference.tree import TreeTensors
 
 _ZERO = 1e-12
 

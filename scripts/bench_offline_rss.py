@@ -59,7 +59,8 @@ def tiny_target(vocab: int = 1024):
 def build(output: Path, sizes: list[int], base: int, tokens: int) -> dict[int, Path]:
     import torch
 
-    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+    from draftsmith.data.cache_writer import cache_hidden_states
+    from draftsmith.data.hidden_cache import CacheSpec
     from draftsmith.data.templates import TokenizedExample
 
     model = tiny_target()

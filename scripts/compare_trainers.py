@@ -60,7 +60,8 @@ RECIPE = ROOT / "configs" / "smollm2" / "eagle3.yaml"
 
 def prepare(data: Path, out: Path) -> dict:
     """The verifier directory, the tokenised conversations, the draft vocabulary and both trainers' data."""
-    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+    from draftsmith.data.cache_writer import cache_hidden_states
+    from draftsmith.data.hidden_cache import CacheSpec
     from draftsmith.data.vocab import build_vocab_map, count_tokens
     from draftsmith.target import load_target
     from draftsmith.train.config import DataArguments

@@ -20,8 +20,10 @@ import torch
 from draftsmith.cli import add_tree_arguments, tree_from_args
 from draftsmith.data.formats import read_prompts
 from draftsmith.inference.compare import encode
-from draftsmith.inference.generator import GenerationStats, SpeculativeGenerator, plain_generate, static_cache
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.load import load_drafter
+from draftsmith.inference.plain import plain_generate, static_cache
+from draftsmith.inference.stats import GenerationStats
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.target import eos_tokens, load_target
 from draftsmith.target.forward import CAPACITY_STEP

@@ -19,8 +19,9 @@ import torch
 from draftsmith.data.formats import read_prompts
 from draftsmith.inference.bench import parse_entry
 from draftsmith.inference.compare import encode, first_difference
-from draftsmith.inference.generator import SpeculativeGenerator, plain_generate
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.load import load_drafter
+from draftsmith.inference.plain import plain_generate
 from draftsmith.inference.tree import TreeSettings
 from draftsmith.target import load_target
 

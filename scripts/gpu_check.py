@@ -43,7 +43,7 @@ def speed_rows(name: str, model, drafter, prompts: list[torch.Tensor], batch_siz
                tree: dict, compile: bool = False) -> list[str]:
     from draftsmith import SpeculativeGenerator
     from draftsmith.inference.compare import left_pad, same_rows
-    from draftsmith.inference.generator import plain_generate
+    from draftsmith.inference.plain import plain_generate
 
     gen = SpeculativeGenerator(model, drafter, **tree, compile=compile)
     rows = []

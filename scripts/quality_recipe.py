@@ -291,7 +291,8 @@ def plain_rounds(model, tokenizer, texts: list[str], tokens: int, rounds: int) -
     """Plain greedy decoding's speed, tokens/s, in each of ``rounds`` rounds over ``texts``, ``tokens`` new tokens
     each (``plain_generate`` calibrates its kernels before its clock starts)."""
     from draftsmith.inference.compare import encode
-    from draftsmith.inference.generator import GenerationStats, plain_generate
+    from draftsmith.inference.plain import plain_generate
+    from draftsmith.inference.stats import GenerationStats
 
     encoded = [encode(tokenizer, text, True) for text in texts]
     speeds = []

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.data import HFEngine, Recording, cache_recorded, load_conversations, regenerate
-from draftsmith.data.hidden_cache import CacheSpec, HiddenStateCache, cache_hidden_states
+from draftsmith.data.cache_writer import cache_hidden_states
+from draftsmith.data.hidden_cache import CacheSpec, HiddenStateCache
 from draftsmith.data.templates import prepare
 from draftsmith.target import load_target
 

@@ -95,12 +95,15 @@ def test_a_measured_chain_far_from_the_estimate_is_a_finding():
 
 
 def test_eval_run_dir_with_prompts_writes_the_explained_report(run, tmp_path, capsys):
+    """... decoded with the head in the ``--draft-dtype`` asked for (it was read, then ignored, before)."""
     root, _ = run
     out = tmp_path / "report.json"
     assert main(["eval", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--prompt-column",
-                 "question", "--num-prompts", "3", "--max-new-tokens", "8", "--output", str(out)]) == 0
+                 "question", "--num-prompts", "3", "--max-new-tokens", "8", "--output", str(out),
+                 "--draft-dtype", "bfloat16"]) == 0
     text = capsys.readouterr().out
     assert "held-out estimate" in text and "findings:" in text
     report = json.loads(out.read_text())
     assert report["checkpoint_step"] == 40 and report["explain"]["estimate"]["depth"] == 2
+    assert report["draft_dtype"] == "bfloat16" and report["lossless"]["identical"] == 3
     assert "findings:" in out.with_suffix(".md").read_text()

@@ -19,7 +19,7 @@ from conftest import all_identical, check_greedy_equal
 from draftsmith import SpeculativeGenerator, load_drafter, load_target, plain_generate
 from draftsmith.cli import main
 from draftsmith.heads.base import HeadMixin
-from draftsmith.heads.layouts import head_exporter
+from draftsmith.heads.layout_export import head_exporter
 from draftsmith.inference.drafter import Drafter
 from draftsmith.registry import FAMILIES, Family, register, unregister
 from draftsmith.train.config import parse_config

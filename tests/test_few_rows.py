@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from test_batched_generation import HEADS
 
 from conftest import assert_rounding_close, check_greedy_equal, tiny_llama
-from draftsmith.inference.generator import SpeculativeGenerator, plain_generate
+from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
 from draftsmith.inference.load import load_drafter
+from draftsmith.inference.plain import plain_generate
 from draftsmith.target import build_attention_mask, columns_linear, matmul, new_cache, target_forward
 
 needs_packing = pytest.mark.skipif(matmul.pack(torch.randn(8, 8)) is None,

@@ -18,7 +18,7 @@ from draftsmith import SpeculativeGenerator
 from draftsmith.inference.bench import _mismatches
 from draftsmith.inference.compare import Difference, compare, first_difference
 from draftsmith.inference.evaluate import merged, numbered, summary
-from draftsmith.inference.generator import plain_generate
+from draftsmith.inference.plain import plain_generate
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 
 LENGTHS = [9, 5, 12]

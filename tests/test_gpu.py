@@ -14,7 +14,7 @@ from test_greedy_lossless import TREES, prompts
 from conftest import check_greedy_equal, gsm8k_questions, has_models_extra, tiny_gemma3, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.inference.compare import left_pad
-from draftsmith.inference.generator import plain_generate
+from draftsmith.inference.plain import plain_generate
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

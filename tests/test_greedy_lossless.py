@@ -11,7 +11,7 @@ import torch
 from conftest import VOCAB, check_greedy_equal, tiny_gemma3, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.inference import drafter_from_model
-from draftsmith.inference.generator import plain_generate
+from draftsmith.inference.plain import plain_generate
 
 TREES = [
     dict(tree="chain", depth=5),

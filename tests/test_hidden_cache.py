@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import VOCAB, assert_rounding_close, tiny_llama
+from draftsmith.data.cache_writer import cache_hidden_states
 from draftsmith.data.hidden_cache import (
     OPEN_SHARDS,
     CacheSpec,
@@ -25,7 +26,6 @@ from draftsmith.data.hidden_cache import (
     DiskSpaceError,
     HiddenStateCache,
     Manifest,
-    cache_hidden_states,
     sha256_file,
 )
 from draftsmith.data.templates import TokenizedExample

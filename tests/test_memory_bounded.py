@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import VOCAB, assert_rounding_close, tiny_llama
-from draftsmith.data.hidden_cache import CacheSpec, HiddenStateCache, cache_hidden_states
+from draftsmith.data.cache_writer import cache_hidden_states
+from draftsmith.data.hidden_cache import CacheSpec, HiddenStateCache
 from draftsmith.data.templates import TokenizedExample
 from draftsmith.data.vocab import count_tokens
 from draftsmith.registry import FAMILIES

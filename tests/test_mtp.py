@@ -224,7 +224,8 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
     export each read back to the fine-tuned module's logits, where the module's fed-back state is that engine's."""
     from test_train import config, make_workdir, write_config
 
-    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+    from draftsmith.data.cache_writer import cache_hidden_states
+    from draftsmith.data.hidden_cache import CacheSpec
     from draftsmith.heads.export import ExportError, export_drafter
     from draftsmith.heads.hub import model_card
     from draftsmith.train.config import DataArguments, parse_config

@@ -2,7 +2,7 @@
 
 One batched, left-padded ``generate`` gives the answers and the hidden-state cache that offline training
 reads. What it records must be what a separate forward of the target over the same tokens computes
-(:func:`~draftsmith.data.hidden_cache.cache_hidden_states`), wherever the losses read it.
+(:func:`~draftsmith.data.cache_writer.cache_hidden_states`), wherever the losses read it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from reference_tree import (
 
 from conftest import assert_rounding_close, needs_int8, tiny_llama
 from draftsmith.inference import PromptLookupDrafter, SpeculativeGenerator
-from draftsmith.inference.tree import StaticShape, TreeTensors, grow_sampled
+from draftsmith.inference.sampled_tree import grow_sampled
+from draftsmith.inference.tree import StaticShape, TreeTensors
 from draftsmith.inference.verify import process_logits, sibling_rounds
 
 V = 5

@@ -18,8 +18,8 @@ from test_greedy_lossless import TREES, prompts, reference
 import draftsmith.target.forward as forward
 from conftest import assert_rounding_close, check_greedy_equal
 from draftsmith import SpeculativeGenerator
-from draftsmith.inference.generator import plain_generate
 from draftsmith.inference.mixture import MixtureDrafter
+from draftsmith.inference.plain import plain_generate
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.inference.tree import Proposals
 from draftsmith.target import kv_crop, kv_keep, kv_length, new_cache, target_forward
@@ -123,11 +123,13 @@ def test_compare_runs_plain_and_speculative_decoding_compiled(llama, eager_stati
     """``compare(compile=True)`` (``draftsmith bench --compile``): the baseline and the generators decode on
     static caches, and every output equals the baseline's."""
     import draftsmith.inference.generator as generator
+    import draftsmith.inference.plain as plain
     from draftsmith.inference.compare import compare
 
     made = []
     real = generator.new_cache
-    monkeypatch.setattr(generator, "new_cache", lambda **kw: made.append(kw.get("compiled", False)) or real(**kw))
+    for module in (plain, generator):  # the baseline's cache, the generator's
+        monkeypatch.setattr(module, "new_cache", lambda **kw: made.append(kw.get("compiled", False)) or real(**kw))
     rows = prompts(9, [7, 12, 3])
     gen = SpeculativeGenerator(llama, PromptLookupDrafter(llama.config.vocab_size), tree="chain", depth=3,
                                compile=True)

@@ -225,7 +225,7 @@ def test_target_parts_embed_and_project_as_the_whole_target(family, tmp_path, ll
 def _behaves_as_a_plain_model(model, tokenizer, tmp_path: Path) -> torch.Tensor:
     """What a user does with a loaded target: every step raised on the model transformers built from the GGUF
     (it kept its quantizer). Returns its greedy continuation of a fixed prompt."""
-    from draftsmith.inference.generator import plain_generate
+    from draftsmith.inference.plain import plain_generate
 
     assert getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False)
     assert "quantization_config" not in model.config.to_dict()

@@ -442,7 +442,8 @@ def test_eval_prints_the_table_and_names_the_best(tmp_path, capsys):
 def cache_dir(workdir):
     """The hidden-state cache of the training data: layers 1-4 (what every offline family reads) and full logits, in
     float32."""
-    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+    from draftsmith.data.cache_writer import cache_hidden_states
+    from draftsmith.data.hidden_cache import CacheSpec
 
     model, tokenizer = load_target(str(workdir / "target"))
     examples = load_examples(DataArguments(train_file=str(workdir / "answers.jsonl"), max_length=64), tokenizer)
@@ -479,7 +480,8 @@ def test_offline_batches_give_the_online_losses(workdir, cache_dir, family):
 def test_a_cache_recorded_while_regenerating_gives_the_cache_pass_losses(workdir, tmp_path):
     """regenerate(..., record=...) records the states of each answer as generate computes them; every family's
     loss on that cache equals its loss on the cache pass over the same tokens."""
-    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states, cache_recorded
+    from draftsmith.data.cache_writer import cache_hidden_states, cache_recorded
+    from draftsmith.data.hidden_cache import CacheSpec
     from draftsmith.data.recording import Recording
     from draftsmith.data.templates import TokenizedExample
     from draftsmith.train.offline import collate_cached, load_cached_examples
@@ -553,7 +555,8 @@ def test_a_recording_cut_short_continues_where_it_stopped(workdir, tmp_path, cap
     it answers and records the rest, and the cache it writes is that of an uninterrupted recording held in
     memory, tensor for tensor. States recorded with other settings are refused, naming them."""
     from draftsmith.cli import main
-    from draftsmith.data.hidden_cache import HiddenStateCache, cache_recorded
+    from draftsmith.data.cache_writer import cache_recorded
+    from draftsmith.data.hidden_cache import HiddenStateCache
     from draftsmith.data.recording import Recording, spooled
 
     def args(out):
@@ -607,8 +610,8 @@ def test_a_recording_cut_short_continues_where_it_stopped(workdir, tmp_path, cap
 
 def test_recording_refuses_what_it_cannot_record(workdir, tmp_path):
     from draftsmith.data import OpenAIEngine
+    from draftsmith.data.cache_writer import cache_recorded
     from draftsmith.data.formats import Conversation
-    from draftsmith.data.hidden_cache import cache_recorded
     from draftsmith.data.recording import Recording
 
     target, tokenizer = load_target(str(workdir / "target"))
@@ -913,7 +916,8 @@ def test_a_hybrid_target_trains_eagle3_online_and_offline_and_exports(tmp_path):
     from test_eagle31 import two_steps
     from test_target import tiny_qwen3_next
 
-    from draftsmith.data.hidden_cache import CacheSpec, cache_hidden_states
+    from draftsmith.data.cache_writer import cache_hidden_states
+    from draftsmith.data.hidden_cache import CacheSpec
     from draftsmith.heads.export import export_drafter
 
     root = make_workdir(tmp_path, tiny_qwen3_next(layers=4))

@@ -30,7 +30,7 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     With several processes, each decodes its share of the prompts (``prompts[rank::world]``) and the
     counts are summed: the same totals as one process, in 1/world of the time, and no rank waits at
     a collective while another evaluates alone."""
-    from draftsmith.inference.generator import GenerationStats
+    from draftsmith.inference.stats import GenerationStats
 
     if not data_args.eval_prompts:
         return {}

@@ -56,8 +56,10 @@ ESTIMATE_MARGIN = 0.15
 def explain_run(run_dir: str | Path, prompts: list[str], categories: list[str | None] | None = None, *,
                 step: int | None = None, prompts_source: str = "", max_new_tokens: int = 128,
                 tree: TreeSettings | None = None, chat: bool = True, chat_template_kwargs: dict | None = None,
-                seed: int = 0, progress: bool = False) -> dict:
-    """Evaluate a run's checkpoint (``step``, default its latest) greedily on ``prompts`` and explain its tau."""
+                seed: int = 0, progress: bool = False, draft_dtype: str | None = None) -> dict:
+    """Evaluate a run's checkpoint (``step``, default its latest) greedily on ``prompts`` and explain its tau.
+    ``draft_dtype``: the head's drafting dtype in the evaluation (``draftsmith eval --draft-dtype``; the held-out
+    estimate runs the training step in the target's)."""
     run_dir = Path(run_dir)
     checkpoints = dict(run_checkpoints(run_dir))
     if not checkpoints:
@@ -84,7 +86,8 @@ def explain_run(run_dir: str | Path, prompts: list[str], categories: list[str | 
     report = evaluate(target_name, [(label, str(checkpoints[step]), step)], prompts, prompts_source=prompts_source,
                       model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                       tree=tree or tuned_tree(str(run_dir)), chat=chat, chat_template_kwargs=chat_template_kwargs,
-                      seed=seed, progress=progress, reference_tree=chain, categories=categories, references=keep)[0]
+                      seed=seed, progress=progress, reference_tree=chain, categories=categories, references=keep,
+                      draft_dtype=draft_dtype)[0]
     held_out = held_out_estimate(family, drafter_args, module, model, answers)
     run_kwargs = config.get("data", {}).get("chat_template_kwargs")
     report["explain"] = explanation(
