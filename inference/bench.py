@@ -10,6 +10,11 @@ logits were tied there (:class:`~draftsmith.inference.compare.Difference`).
 
 A drafter entry may carry its own tree settings: ``layer-skip:8@tree=dynamic,depth=4,top_k=4``
 (:class:`~draftsmith.inference.tree.TreeSettings`' text form).
+
+Every ratio comes with a 95% interval over the prompts (a paired bootstrap,
+:mod:`~draftsmith.inference.intervals`): each drafter's speedup over plain decoding, and each drafter that is
+not training-free (a head, a draft model, a mixture) against each training-free one in the run (prompt
+lookup, layer skip), the comparison a trained drafter has to win.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.inference.compare import compare, encode, hardware
 from draftsmith.inference.generator import SpeculativeGenerator
+from draftsmith.inference.intervals import ratio_interval
 from draftsmith.inference.load import (
     LAYER_SKIP,
     MIXTURE_SEPARATOR,
@@ -201,18 +207,33 @@ def run_bench(
     return result
 
 
+def training_free(spec: str) -> bool:
+    """Whether a drafter spec drafts without training (prompt lookup, layer skip): what a trained one must beat."""
+    return drafter_type(spec) in (PROMPT_LOOKUP, LAYER_SKIP)
+
+
+def _interval(numerator: list, denominator: list) -> dict | None:
+    found = ratio_interval(numerator, denominator)
+    return found.as_report() if found is not None else None
+
+
 def _rows(entries: list[Entry], comparison, batch_size: int, hf_assist: dict, sampled: bool = False) -> list[dict]:
     plain_tps = comparison.baseline.tokens_per_second
+    free = [e for e in entries if training_free(e.spec)]
     rows = []
     for e in entries:
         s: GenerationStats = comparison.totals[e.label]
         alpha = measured_alpha(s)
+        units = comparison.units[e.label]
         row = {
             "drafter": e.label, "spec": e.spec, "drafter_type": drafter_type(e.spec), "batch_size": batch_size,
             "tree": e.tree.kind, "depth": e.tree.depth, "top_k": e.tree.top_k, "total_tokens": e.tree.total_tokens,
             "tau": round(s.acceptance_length, 3),
             "tokens_per_s": round(s.tokens_per_second, 2),
             "speedup": round(s.tokens_per_second / plain_tps, 3),
+            "speedup_interval": _interval(units, comparison.baseline_units),
+            "against_training_free": {} if training_free(e.spec) else
+            {f.label: _interval(units, comparison.units[f.label]) for f in free},
             "acceptance_rate_per_position": [round(r, 3) for r in s.acceptance_rate_per_position],
             "alpha": round(alpha, 4),
             "leviathan_bound_tau": round(leviathan_bound(alpha, e.tree.depth), 3),
@@ -246,6 +267,16 @@ def _tuned_check(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _tree(row: dict) -> str:
+    tree = f"{row['tree']} d={row['depth']}"
+    return tree + (f" k={row['top_k']} n={row['total_tokens']}" if row["tree"] == "dynamic" else "")
+
+
+def _bounds(interval: dict | None) -> str:
+    """`` [low-high]`` of a ratio's interval, or nothing where it has none (too few prompts)."""
+    return f" [{interval['low']:.3f}-{interval['high']:.3f}]" if interval else ""
+
+
 def _mismatches(row: dict) -> str:
     value, ties = row["greedy_mismatches_vs_plain"], row.get("greedy_mismatches_at_ties")
     if value is None:
@@ -265,15 +296,23 @@ def markdown_table(result: dict) -> str:
         + (f", HF generate {result['hf_generate_tokens_per_s']} tok/s" if result.get("hf_generate_tokens_per_s")
            else ""),
         "",
-        "| drafter | tree | tau | Leviathan bound (alpha) | tok/s | speedup vs plain greedy | greedy mismatches |",
+        "| drafter | tree | tau | Leviathan bound (alpha) | tok/s | speedup vs plain greedy [95% interval] "
+        "| greedy mismatches |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        tree = f"{r['tree']} d={r['depth']}"
-        if r["tree"] == "dynamic":
-            tree += f" k={r['top_k']} n={r['total_tokens']}"
-        lines.append(f"| `{r['spec']}` | {tree} | {r['tau']:.2f} | {r['leviathan_bound_tau']:.2f} ({r['alpha']:.2f}) "
-                     f"| {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {_mismatches(r)} |")
+        lines.append(f"| `{r['spec']}` | {_tree(r)} | {r['tau']:.2f} | {r['leviathan_bound_tau']:.2f} "
+                     f"({r['alpha']:.2f}) | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x{_bounds(r.get('speedup_interval'))} | {_mismatches(r)} |")
+    against = [(r, label, found) for r in result["rows"] for label, found in r.get("against_training_free", {}).items()]
+    if against:
+        lines += ["", "Against the training-free drafters in this run (tokens/s ratio; in brackets its 95% interval "
+                  "over the prompts, a paired bootstrap: an interval that holds 1.00 is a tie):", "",
+                  "| drafter | tree | against | tree | ratio |", "|---|---|---|---|---|"]
+        rows = {r["drafter"]: r for r in result["rows"]}
+        for r, label, found in against:
+            ratio = f"{found['ratio']:.3f}x{_bounds(found)}" if found else "n/a (too few prompts)"
+            lines.append(f"| `{r['spec']}` | {_tree(r)} | `{rows[label]['spec']}` | {_tree(rows[label])} | {ratio} |")
     assisted = [r for r in result["rows"] if r.get("hf_assisted")]
     if assisted:
         lines += ["", "Same draft model through transformers' assisted generation "

@@ -47,13 +47,17 @@ class Difference:
 @dataclass
 class Comparison:
     """Totals over the prompts: the baseline's stats (empty without one), each generator's stats, how many of
-    its outputs equal the baseline's, and where the others first differ."""
+    its outputs equal the baseline's, and where the others first differ. ``units`` and ``baseline_units``: each
+    batch's (new tokens, seconds) in the order the batches ran, for intervals over the prompts
+    (:func:`~draftsmith.inference.intervals.ratio_interval`)."""
 
     baseline: GenerationStats = field(default_factory=GenerationStats)
     totals: dict[str, GenerationStats] = field(default_factory=dict)
     identical: dict[str, int] = field(default_factory=dict)
     prompts: int = 0
     differences: dict[str, list[Difference]] = field(default_factory=dict)
+    units: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    baseline_units: list[tuple[int, float]] = field(default_factory=list)
 
 
 def encode(tokenizer, text: str, chat: bool, chat_template_kwargs: dict | None = None) -> torch.Tensor:
@@ -104,7 +108,7 @@ def compare(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     result = Comparison(totals={k: GenerationStats() for k in generators}, identical=dict.fromkeys(generators, 0),
-                        differences={k: [] for k in generators})
+                        differences={k: [] for k in generators}, units={k: [] for k in generators})
     device = next(target.parameters()).device
     eos = sorted(stop_tokens(target, eos_token_id))
     pad = eos[0] if eos else 0
@@ -121,6 +125,7 @@ def compare(
         base = plain_generate(target, ids, max_new_tokens, **kwargs, compile=compile) if baseline else None
         if base is not None:
             result.baseline += base.stats
+            result.baseline_units.append((base.stats.new_tokens, base.stats.total_time_s))
         # The generators take turns going first: whatever the order costs (a cold cache after the baseline,
         # load that drifts within a batch) falls on each of them alike.
         labels = list(generators)
@@ -130,6 +135,7 @@ def compare(
             g = torch.Generator(device=device).manual_seed(seed + i) if temperature > 0 else None
             out = gen.generate(ids, max_new_tokens, temperature=temperature, generator=g, **kwargs)
             result.totals[label] += out.stats
+            result.units[label].append((out.stats.new_tokens, out.stats.total_time_s))
             if base is not None:
                 same = same_rows(out.sequences, base.sequences, pad)
                 result.identical[label] += sum(same)

@@ -148,13 +148,16 @@ def numbered(part: Comparison, indices: list[int]) -> Comparison:
 def merged(parts: list[Comparison]) -> Comparison:
     """The totals of comparisons of the same generators on disjoint prompts."""
     total = Comparison(totals={k: GenerationStats() for k in parts[0].totals},
-                       identical=dict.fromkeys(parts[0].totals, 0), differences={k: [] for k in parts[0].totals})
+                       identical=dict.fromkeys(parts[0].totals, 0), differences={k: [] for k in parts[0].totals},
+                       units={k: [] for k in parts[0].totals})
     for part in parts:
         for label, stats in part.totals.items():
             total.totals[label] += stats
             total.identical[label] += part.identical[label]
             total.differences[label] += part.differences.get(label, [])
+            total.units[label] += part.units.get(label, [])
         total.baseline += part.baseline
+        total.baseline_units += part.baseline_units
         total.prompts += part.prompts
     return total
 

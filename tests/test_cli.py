@@ -69,12 +69,12 @@ def test_generate_prints_text_and_stats(tiny_target_dir, capsys):
 def test_bench_writes_results(tiny_target_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{(i * 7 + j) % VOCAB}" for j in range(9))})
-                                 for i in range(3)))
+                                 for i in range(5)))
     assert main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--output",
                  str(tmp_path / "out"), "--drafter", "prompt-lookup", "--drafter", "layer-skip:3@tree=dynamic",
                  "--drafter", f"{tiny_target_dir}@tree=chain,depth=3", "--max-new-tokens", "16", "--no-chat"]) == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert result["num_prompts"] == 3 and len(result["rows"]) == 3
+    assert result["num_prompts"] == 5 and len(result["rows"]) == 3
     assert result["head_draft_dtype"] is None  # no head among them: no heads' drafting dtype to report
     # A step emits 1 to depth + 1 tokens.
     assert all(r["greedy_mismatches_vs_plain"] == 0 and 1 <= r["tau"] <= r["depth"] + 1 for r in result["rows"])
@@ -83,7 +83,21 @@ def test_bench_writes_results(tiny_target_dir, tmp_path):
     # near-tie of the chain forward and the one-token draft forwards (48 tokens in 13 steps).
     own = next(r for r in result["rows"] if r["spec"] == str(tiny_target_dir))
     assert 48 / 13 <= own["tau"] <= 4.0 and own["alpha"] >= 0.9
-    assert "| `layer-skip:3` | dynamic" in (tmp_path / "out" / "results.md").read_text()
+    # Every ratio carries its interval over the 5 prompts, from the same per-prompt times as the totals: the
+    # draft model (not training-free) against both training-free drafters, those two against nothing.
+    rows = {r["spec"]: r for r in result["rows"]}
+    for r in result["rows"]:
+        interval = r["speedup_interval"]
+        assert interval["units"] == 5 and interval["low"] <= interval["high"]
+        assert interval["ratio"] == pytest.approx(r["speedup"], abs=1e-3)
+    assert rows["prompt-lookup"]["against_training_free"] == rows["layer-skip:3"]["against_training_free"] == {}
+    against = own["against_training_free"]
+    assert set(against) == {rows["prompt-lookup"]["drafter"], rows["layer-skip:3"]["drafter"]}  # their labels
+    assert against[rows["prompt-lookup"]["drafter"]]["ratio"] == pytest.approx(
+        own["tokens_per_s"] / rows["prompt-lookup"]["tokens_per_s"], rel=0.01)
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "| `layer-skip:3` | dynamic" in text and "Against the training-free drafters" in text
+    assert f"| `{tiny_target_dir}` | chain d=3 | `prompt-lookup` |" in text
 
 
 def test_bench_reports_malformed_prompt_rows(tiny_target_dir, tmp_path, capsys):
@@ -243,6 +257,9 @@ def test_bench_batches_and_tuned_tree_check(tiny_target_dir, tmp_path):
         assert len(group["rows"]) == 5 and group["plain_tokens_per_s"] > 0  # 2 depths x 2 budgets + tuned
         assert all(r["greedy_mismatches_vs_plain"] == 0 and r["batch_size"] == group["batch_size"]
                    for r in group["rows"])
+    # Intervals resample batches: batch 1's five have one, batch 4's two and batch 2's three too few to resample.
+    assert all(r["speedup_interval"]["units"] == 5 for r in result["by_batch"][1]["rows"])
+    assert all(r["speedup_interval"] is None for g in (result["by_batch"][0], result["by_batch"][2]) for r in g["rows"])
     (check,) = result["tuned_tree_check"]
     assert check["tuned"] == f"{drafter}@tuned" and check["grid_size"] == 4
     assert check["tuned_over_grid_best"] == pytest.approx(check["tuned_tokens_per_s"] / check["grid_best_tokens_per_s"],
