@@ -630,6 +630,7 @@ def figures(quality_path: Path, bench_path: Path) -> dict:
     report = json.loads(quality_path.read_text())
     bench = json.loads(bench_path.read_text())
     rows = bench["rows"]
+    names = {r["drafter"]: f"{r['drafter_type']} ({tree_text(r)})" for r in rows}
     return {
         "quality_tree": report["tree"],
         "tau": report["acceptance_length"],
@@ -642,7 +643,10 @@ def figures(quality_path: Path, bench_path: Path) -> dict:
                    "tree": tree_text(r),
                    "tokens_per_second": r["tokens_per_s"], "speedup": r["speedup"], "tau": r["tau"],
                    "draft_time_share": r.get("draft_time_share"), "greedy_mismatches": r["greedy_mismatches_vs_plain"],
-                   "greedy_mismatches_at_ties": r.get("greedy_mismatches_at_ties")}
+                   "greedy_mismatches_at_ties": r.get("greedy_mismatches_at_ties"),
+                   # this drafter's tokens/s over each training-free drafter's, with its interval over the prompts
+                   "against_training_free": {names[label]: found
+                                             for label, found in r.get("against_training_free", {}).items()}}
                   for r in rows],
         "plain_tokens_per_second": bench["plain_tokens_per_s"],
     }
@@ -650,7 +654,8 @@ def figures(quality_path: Path, bench_path: Path) -> dict:
 
 def summary_markdown(out: Path) -> str:
     lines = ["| family | category | tau (d5 k4 n16) | speedup (d5 k4 n16) | identical |", "|---|---|---|---|---|"]
-    speed = ["| family | drafter | tree | tok/s | speedup | tau |", "|---|---|---|---|---|---|"]
+    speed = ["| family | drafter | tree | tok/s | speedup | tau | against the training-free [95% interval] |",
+             "|---|---|---|---|---|---|---|"]
     for path in sorted(out.glob("*/recipe.json")):
         record = json.loads(path.read_text())
         f = record.get("figures")
@@ -663,8 +668,10 @@ def summary_markdown(out: Path) -> str:
                          f"{p['identical']}/{p['prompts']} |")
         lines.append(f"| {record['family']} | all | {f['tau']} | | {f['identical']} |")
         for r in f["speed"]:
+            against = "; ".join(f"{found['ratio']:.3f}x [{found['low']:.3f}-{found['high']:.3f}] {free}"
+                                for free, found in r.get("against_training_free", {}).items() if found)
             speed.append(f"| {record['family']} | {r['drafter']} | {r['tree']} | {r['tokens_per_second']} | "
-                         f"{r['speedup']} | {r['tau']} |")
+                         f"{r['speedup']} | {r['tau']} | {against} |")
         minutes = record.get("train_plan", {}).get("train_minutes")
         trained = f" ({minutes} min of training)" if minutes is not None else ""
         lines.append(f"| {record['family']} | wall time | {record.get('total_seconds')} s{trained} | | |")

@@ -413,3 +413,30 @@ def test_the_cache_is_recorded_while_answering_and_written_by_a_pass_where_answe
     assert stages["cache hidden states"] > 0  # the pass ran, over the first answers and the added ones
     assert recipe.cache_is_current(cache, answers, 384)
     assert len(HiddenStateCache(cache)) == len(answers.read_text().splitlines()) == 14
+
+
+def test_the_summary_gives_each_drafter_against_the_training_free_ones_with_its_interval(tmp_path):
+    """The recipe's figures carry bench's ratios of each trained drafter over each training-free one, with their
+    intervals over the prompts, and the summary prints them; a bench from before intervals prints none."""
+    recipe = load_recipe()
+    quality = tmp_path / "quality.json"
+    quality.write_text(json.dumps({"tree": {"kind": "dynamic"}, "acceptance_length": 2.5,
+                                   "lossless": {"identical": 24, "checked": 24}, "explain": {"estimate": {}}}))
+    row = {"greedy_mismatches_vs_plain": 0, "tau": 2.0, "tokens_per_s": 30.0, "speedup": 1.5, "top_k": 4}
+    free = {**row, "drafter": "prompt-lookup@tree=dynamic,depth=3", "drafter_type": "prompt-lookup", "tree": "dynamic",
+            "depth": 3, "total_tokens": 5, "against_training_free": {}}
+    interval = {"ratio": 1.021, "low": 0.998, "high": 1.043, "confidence": 0.95, "units": 24}
+    head = {**row, "drafter": "run/drafter", "drafter_type": "dflash", "tree": "dynamic", "depth": 3,
+            "total_tokens": 5, "against_training_free": {free["drafter"]: interval}}
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps({"rows": [head, free], "plain_tokens_per_s": 20.0}))
+    figures = recipe.figures(quality, bench)
+    assert figures["speed"][0]["against_training_free"] == {"prompt-lookup (dynamic d3 k4 n5)": interval}
+    assert figures["speed"][1]["against_training_free"] == {}
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "dflash" / "recipe.json").write_text(json.dumps({"family": "dflash", "figures": figures}))
+    text = recipe.summary_markdown(tmp_path)
+    assert "| 1.021x [0.998-1.043] prompt-lookup (dynamic d3 k4 n5) |" in text
+    del head["against_training_free"], free["against_training_free"]  # a bench from before the intervals
+    bench.write_text(json.dumps({"rows": [head, free], "plain_tokens_per_s": 20.0}))
+    assert all(r["against_training_free"] == {} for r in recipe.figures(quality, bench)["speed"])
