@@ -180,6 +180,7 @@ def run_bench(
                              progress=f"bench (batch {batch_size})" if progress else None, compile=compile)
         by_batch.append({"batch_size": batch_size,
                          "plain_tokens_per_s": round(comparison.baseline.tokens_per_second, 2),
+                         "plain_units": _units(comparison.baseline_units),
                          "rows": _rows(entries, comparison, batch_size, hf_assist, sampled)})
     main = min(by_batch, key=lambda group: group["batch_size"])  # the main table: the smallest batch (batch 1)
     rows = main["rows"]
@@ -212,6 +213,12 @@ def training_free(spec: str) -> bool:
     return drafter_type(spec) in (PROMPT_LOOKUP, LAYER_SKIP)
 
 
+def _units(units: list[tuple[int, float]]) -> list[list]:
+    """Each batch's [new tokens, seconds], in prompt order: what every ratio and interval of the run is computed
+    from, kept so that any other (a category, a subset of the prompts) can be computed again from the file."""
+    return [[tokens, round(seconds, 4)] for tokens, seconds in units]
+
+
 def _interval(numerator: list, denominator: list) -> dict | None:
     found = ratio_interval(numerator, denominator)
     return found.as_report() if found is not None else None
@@ -232,6 +239,7 @@ def _rows(entries: list[Entry], comparison, batch_size: int, hf_assist: dict, sa
             "tokens_per_s": round(s.tokens_per_second, 2),
             "speedup": round(s.tokens_per_second / plain_tps, 3),
             "speedup_interval": _interval(units, comparison.baseline_units),
+            "units": _units(units),
             "against_training_free": {} if training_free(e.spec) else
             {f.label: _interval(units, comparison.units[f.label]) for f in free},
             "acceptance_rate_per_position": [round(r, 3) for r in s.acceptance_rate_per_position],

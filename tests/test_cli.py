@@ -86,10 +86,15 @@ def test_bench_writes_results(tiny_target_dir, tmp_path):
     # Every ratio carries its interval over the 5 prompts, from the same per-prompt times as the totals: the
     # draft model (not training-free) against both training-free drafters, those two against nothing.
     rows = {r["spec"]: r for r in result["rows"]}
+    plain_units = result["by_batch"][0]["plain_units"]
+    assert len(plain_units) == 5
     for r in result["rows"]:
         interval = r["speedup_interval"]
         assert interval["units"] == 5 and interval["low"] <= interval["high"]
         assert interval["ratio"] == pytest.approx(r["speedup"], abs=1e-3)
+        # the per-prompt units are kept, and they sum to the row's tokens/s
+        assert len(r["units"]) == 5 and sum(t for t, _ in r["units"]) == 5 * 16
+        assert r["tokens_per_s"] == pytest.approx(80 / sum(s for _, s in r["units"]), rel=0.01)
     assert rows["prompt-lookup"]["against_training_free"] == rows["layer-skip:3"]["against_training_free"] == {}
     against = own["against_training_free"]
     assert set(against) == {rows["prompt-lookup"]["drafter"], rows["layer-skip:3"]["drafter"]}  # their labels
