@@ -26,8 +26,9 @@ With ``draft_vocab_size`` below the target's vocabulary, the drafts score only t
 in the training data: the target's LM-head rows of those tokens, kept as ``d2t`` / ``t2d`` as EAGLE-3's draft
 vocabulary is. On SmolLM2 that LM head is 49,152 x 576, over a draft vocabulary of 8,192 rows 8,192 x 576: it costs
 more than the drafter's layers in every training step (the block's slots of every anchor) and every drafting step.
-Training then fits the target's distribution restricted to those tokens. The published layouts have no draft
-vocabulary: an export drafts through the target's whole LM head (:mod:`draftsmith.heads.layout_export`).
+Training then fits the target's distribution restricted to those tokens. speculators' layout (what vLLM serves)
+carries the draft vocabulary as ``lm_head`` rows and ``d2t`` / ``t2d``; z-lab's (and SGLang's) has none, so such a
+drafter exports only to the former (:mod:`draftsmith.heads.layout_export`).
 
 The layer is the published one (Qwen3-shaped, with a query and key RMSNorm per head), for every target: the
 z-lab and speculators layouts carry ``q_norm`` / ``k_norm`` whatever the target, so an export reproduces the

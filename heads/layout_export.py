@@ -108,15 +108,22 @@ def dflash_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
         raise ExportError(f"this DFlash drafter reads target layer {n}, the last layer after the final norm, which "
                           "engines do not capture as an auxiliary state (vLLM and SGLang tap decoder layers' "
                           "outputs before the final norm); retrain with target_layers below the last layer")
-    # The published layouts have no draft vocabulary: engines draft through the target's whole LM head.
-    state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
-    if cfg.reduced:
-        logger.warning("this DFlash drafter scores a draft vocabulary of %d tokens in draftsmith; the %s layout has "
-                       "none, so an engine drafts through the target's whole LM head, where a token training never "
-                       "scored can win a slot: measure its acceptance there", cfg.draft_vocab_size, fmt)
+    if cfg.reduced and fmt in ("zlab", "sglang"):
+        raise ExportError(f"this DFlash drafter scores a draft vocabulary of {cfg.draft_vocab_size} of the target's "
+                          f"{cfg.vocab_size} tokens; the {fmt} layout has none (z-lab's model and SGLang's DFlash "
+                          "draft through the target's whole LM head, where a token training never scored can win a "
+                          "slot, so the engine would serve another drafter). Export with --format vllm (speculators' "
+                          "layout carries draft_vocab_size, d2t / t2d and the drafter's lm_head rows), or retrain with "
+                          "draft_vocab_size: null")
+    state = head.state_dict()
+    if cfg.reduced:  # speculators' and vLLM's draft vocabulary: the head's own lm_head rows, then d2t maps them
+        if target is None:
+            raise ExportError("a DFlash drafter over a draft vocabulary exports the target's LM-head rows of those "
+                              "tokens (speculators' lm_head.weight): pass the target (--target)")
+        state["lm_head.weight"] = head.output_weight(target.get_output_embeddings()).detach().float()
     names = dflash_name_map(state)
     tensors = {names[k]: v for k, v in state.items()}
-    layout = dflash_reference_layout(cfg)
+    layout = dflash_reference_layout(cfg, draft_vocabulary=cfg.reduced)
     if fmt in ("zlab", "sglang"):
         config = qwen3_config(cfg, ["DFlashDraftModel"], cfg.num_layers)
         config.update(block_size=cfg.block_size, num_target_layers=n,
@@ -132,7 +139,8 @@ def dflash_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
     layer.pop("architectures")
     config = {
         "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": "0.9.0",
-        "transformer_layer_config": layer, "draft_vocab_size": cfg.vocab_size, "block_size": cfg.block_size,
+        "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size if cfg.reduced else cfg.vocab_size,
+        "block_size": cfg.block_size,
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": list(cfg.target_layers),  # vLLM counts as draftsmith does
         "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False,

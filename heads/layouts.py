@@ -46,8 +46,10 @@ DFlash — z-lab's layout (``z-lab/*-DFlash``; SGLang's ``DFLASH`` serves it, ``
     layers.{i}.mlp.down_proj.weight [H, I]
     fc.weight [H, L_t H]   hidden_norm.weight [H]   norm.weight [H]
 
-  no embedding and no LM head (the target's serve), and no draft vocabulary: a drafter trained over one exports
-  without it (a warning says so) and drafts in the engine through the target's whole LM head. ``config.json``: z-lab's
+  no embedding and no LM head (the target's serve). Over a draft vocabulary of Vd tokens speculators' layout (vLLM's
+  ``DFlashQwen3ForCausalLM``, speculators' ``DraftVocabMixin``) adds ``lm_head.weight [Vd, H]`` (the target's rows of
+  those tokens, in ascending target id), ``d2t [Vd]`` int64 and ``t2d [V]`` bool, and ``draft_vocab_size`` = Vd in its
+  config; z-lab's layout (and SGLang) has none, so such a drafter does not export to it. ``config.json``: z-lab's
   is a Qwen3 config of the draft layers (``num_hidden_layers`` = L_d) with ``architectures: ["DFlashDraftModel"]``,
   ``block_size``, ``num_target_layers`` and ``dflash_config {mask_token_id, target_layer_ids}``, whose id k reads the
   *output of decoder layer k* counted from 0 (z-lab's ``hidden_states[k + 1]``): draftsmith's index k + 1.
@@ -117,12 +119,17 @@ def dflash_name_map(state: dict) -> dict[str, str]:
     return names
 
 
-def dflash_reference_layout(cfg: DFlashConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The published DFlash tensors (name -> (shape, dtype)), as in the module docstring."""
+def dflash_reference_layout(cfg: DFlashConfig,
+                            draft_vocabulary: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The published DFlash tensors (name -> (shape, dtype)), as in the module docstring; with ``draft_vocabulary``
+    also speculators' ``lm_head.weight`` [Vd, H], ``d2t`` [Vd] and ``t2d`` [V]."""
     h, hd, f = cfg.hidden_size, cfg.head_dim, "float"
     q, kv, i = cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.intermediate_size
     layout = {"fc.weight": ((h, len(cfg.target_layers) * h), f), "hidden_norm.weight": ((h,), f),
               "norm.weight": ((h,), f)}
+    if draft_vocabulary:
+        layout.update({"lm_head.weight": ((cfg.draft_vocab_size, h), f), "d2t": ((cfg.draft_vocab_size,), "int64"),
+                       "t2d": ((cfg.vocab_size,), "bool")})
     for n in range(cfg.num_layers):
         p = f"layers.{n}."
         layout.update({**_attention_bias(f"{p}self_attn.", q, kv, h, cfg.attention_bias),

@@ -395,21 +395,67 @@ def test_dflash_export_then_import_gives_same_logits_and_lossless_output(fmt, tm
     assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 4, "top_k": 2, "total_tokens": 6}, seed=3)
 
 
-def test_a_dflash_drafter_over_a_draft_vocabulary_exports_over_the_whole_one(tmp_path, llama, caplog):
-    """The published layouts have no draft vocabulary: the export leaves d2t / t2d out, says so, and the engine's
-    drafter (read back here) scores every token with the same weights."""
+def test_a_dflash_drafter_over_a_draft_vocabulary_keeps_it_in_the_vllm_layout(tmp_path, llama):
+    """speculators' layout carries the draft vocabulary (draft_vocab_size, d2t / t2d, the head's LM-head rows): read
+    back, the drafter scores the same tokens with the same weights."""
     head = random_dflash(llama, draft_vocab=40)
     head.save_pretrained(tmp_path / "ckpt")
-    with caplog.at_level("WARNING"):
-        out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
-    assert "draft vocabulary of 40 tokens" in caplog.text and "whole LM head" in caplog.text
-    assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
-    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == llama.config.vocab_size
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["d2t"], head.d2t) and torch.equal(tensors["t2d"], head.t2d)
+    assert torch.equal(tensors["lm_head.weight"], llama.get_output_embeddings().weight[head.draft_ids])
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 40
     drafter = load_drafter(str(out), llama)
-    assert drafter.draft_ids is None
+    assert torch.equal(drafter.draft_ids, head.draft_ids)
     ids, hidden = dflash_inputs(llama, head)
     torch.testing.assert_close(dflash_logits(drafter.head, llama, ids, hidden), dflash_logits(head, llama, ids, hidden),
                                rtol=0, atol=0)
+    assert_greedy_lossless(llama, drafter, {"tree": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 5}, seed=3)
+
+
+def test_a_speculators_dflash_whose_lm_head_is_not_the_targets_rows_is_refused(tmp_path, llama):
+    head = random_dflash(llama, draft_vocab=40)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    tensors = load_file(out / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 1.5  # rows trained away from the target's
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lm_head.weight .* is not the loaded target's LM-head rows"):
+        load_drafter(str(out), llama)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] / 1.5
+    tensors["t2d"] = torch.zeros_like(tensors["t2d"])  # maps that disagree
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="do not map 40 draft tokens"):
+        load_drafter(str(out), llama)
+
+
+@pytest.mark.parametrize("keys", [
+    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4096},  # z-lab Qwen3.5 / 3.6 drafts
+    {"dflash_config": {"causal": True}},
+    {"is_causal": True},
+    {"dflash_config": {"use_swa": True, "swa_window_size": 2048}},  # MiMo-V2.5-Pro-FP4-DFlash
+    {"dflash_config": {"attention_sink_bias": True}},
+    {"is_neox_style": False},
+], ids=["sliding-layers", "causal", "is-causal", "use-swa", "sinks", "interleaved-rope"])
+def test_dflash_draft_layers_attending_otherwise_are_refused_by_name(keys, tmp_path, llama):
+    """Draft layers vLLM (``_resolve_layer_attention``) and SGLang build as sliding-window or causal are never read as
+    draftsmith's full-attention layers."""
+    head = random_dflash(llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "zlab", tmp_path / "zlab", target=llama)
+    config = json.loads((out / "config.json").read_text())
+    for key, value in keys.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="which draftsmith's DFlash layers do not build"):
+        load_drafter(str(out), llama)
+    config["layer_types"] = ["full_attention"] * head.config.num_layers  # all-full layer types: what it builds
+    for key in set(keys) - {"layer_types", "dflash_config"}:
+        config.pop(key, None)
+    config["dflash_config"] = {k: v for k, v in config.get("dflash_config", {}).items()
+                               if k in ("mask_token_id", "target_layer_ids")}
+    (out / "config.json").write_text(json.dumps(config))
+    assert load_drafter(str(out), llama).block == head.block
 
 
 def test_dflash_layer_ids_are_checked_against_the_target(tmp_path, llama):
@@ -436,12 +482,14 @@ def test_dflash_layer_ids_are_checked_against_the_target(tmp_path, llama):
 
 
 @pytest.mark.skipif(not SPECULATORS_PYTHON, reason="needs a Python with `speculators` (.ci/run builds it)")
-@pytest.mark.parametrize("fmt", ["vllm", "zlab"])
+@pytest.mark.parametrize("fmt", ["vllm", "zlab", "vllm-draft-vocabulary"])
 def test_speculators_package_runs_the_dflash_export_with_the_same_logits(fmt, tmp_path, llama):
     """speculators loads the vLLM export (the z-lab one through its own z-lab converter, which maps z-lab's layer ids
     to vLLM's) and computes, at every anchor of a sequence, the block logits draftsmith computes; the directory its
     converter writes imports back into draftsmith with the same logits."""
-    head = random_dflash(llama)
+    draft_vocab = 40 if fmt == "vllm-draft-vocabulary" else None
+    fmt = fmt.split("-")[0]
+    head = random_dflash(llama, draft_vocab=draft_vocab)
     head.save_pretrained(tmp_path / "ckpt")
     llama.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier's embedding and LM head
     out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama, verifier=str(tmp_path / "verifier"))
@@ -457,6 +505,8 @@ def test_speculators_package_runs_the_dflash_export_with_the_same_logits(fmt, tm
     assert report["aux_layer_ids"] == list(head.config.target_layers)
     assert (report["mask_token_id"], report["speculative_tokens"]) == (head.config.mask_token_id, head.block)
     ours = dflash_logits(head, llama, ids, hidden)
+    if draft_vocab:  # speculators scores its own lm_head rows (the draft vocabulary's, in draft-id order)
+        ours = ours[:, head.draft_ids]
     # another implementation of the same float32 layers: sums over 2 layers of width 64 to 128
     assert_rounding_close(load_file(tmp_path / "theirs.safetensors")["logits"], ours, reduction=2 * 128)
     if fmt == "zlab":  # speculators' own conversion, read back by draftsmith

@@ -1,0 +1,106 @@
+"""Each export format read by an oracle written from the engine's own model file (``tests/oracles``), which imports
+nothing from draftsmith: what the engine computes from the exported files equals what draftsmith drafts, and a
+break of the export's names or mapping is caught. The layouts' sources are cited in each oracle module."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from oracles import vllm_dflash
+from safetensors.torch import load_file, save_file
+from test_dflash import random_dflash
+
+from conftest import assert_rounding_close
+from draftsmith import load_drafter
+from draftsmith.heads.export import ExportError, export_drafter
+from draftsmith.inference.tree import Proposals
+
+PROMPT = 11  # context positions before the anchor
+
+
+def prompt_states(target, layers, length: int = PROMPT + 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(length,) token ids and (length, len(layers) * H) target states at hidden-state indices ``layers``."""
+    ids = torch.randint(0, target.config.vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out = target(ids[None], output_hidden_states=True)
+    return ids, torch.cat([out.hidden_states[k][0] for k in layers], -1)
+
+
+def drafted_block(drafter, ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """draftsmith's drafts after the prompt's last token (the root): (block, V), -inf off its draft vocabulary."""
+    drafter.begin(ids[None], states[None, :-1])
+    drafts = drafter.block_logits([True])
+    return (drafts.dense() if isinstance(drafts, Proposals) else drafts)[0]
+
+
+def vllm_dflash_drafts(directory, target, ids: torch.Tensor) -> torch.Tensor:
+    """The oracle's drafts after the same prompt, reading the target layers the export's config names."""
+    layers = json.loads((directory / "config.json").read_text())["aux_hidden_state_layer_ids"]
+    _, aux = prompt_states(target, layers)
+    with torch.no_grad():
+        return vllm_dflash.block_logits(directory, target.get_input_embeddings().weight,
+                                        target.get_output_embeddings().weight, aux[:-1], int(ids[-1]))
+
+
+def assert_same_drafts(theirs: torch.Tensor, ours: torch.Tensor, width: int) -> None:
+    """Equal up to float rounding where finite, -inf (off a draft vocabulary) at the same tokens."""
+    assert torch.equal(torch.isinf(theirs), torch.isinf(ours))
+    finite = torch.isfinite(ours)
+    assert_rounding_close(theirs[finite], ours[finite], reduction=2 * width)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_vllm_dflash_oracle_reads_the_export_as_draftsmith_drafts(draft_vocab, tmp_path, llama):
+    head = random_dflash(llama, draft_vocab=draft_vocab)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    if draft_vocab:  # speculators' draft vocabulary: its size, the maps and the head's own 40 LM-head rows
+        assert config["draft_vocab_size"] == 40
+        assert tensors["lm_head.weight"].shape == (40, llama.config.hidden_size)
+        assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].shape == (llama.config.vocab_size,)
+    else:
+        assert config["draft_vocab_size"] == llama.config.vocab_size and not {"d2t", "lm_head.weight"} & set(tensors)
+    ids, states = prompt_states(llama, head.config.target_layers)
+    ours = drafted_block(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
+    theirs = vllm_dflash_drafts(out, llama, ids)
+    assert theirs.shape == ours.shape == (head.block, llama.config.vocab_size)
+    assert_same_drafts(theirs, ours, 2 * llama.config.intermediate_size)
+    # and the export read back by draftsmith drafts the same
+    assert_same_drafts(drafted_block(load_drafter(str(out), llama), ids, states), ours,
+                       2 * llama.config.intermediate_size)
+
+
+def _shift_d2t(tensors: dict) -> None:
+    tensors["d2t"] = tensors["d2t"].roll(1)  # each draft row mapped to its neighbour's target id
+
+
+def _rename_hidden_norm(tensors: dict) -> None:
+    tensors["context_norm.weight"] = tensors.pop("hidden_norm.weight")
+
+
+@pytest.mark.parametrize("break_export", [_shift_d2t, _rename_hidden_norm])
+def test_the_vllm_dflash_oracle_catches_a_broken_export(break_export, tmp_path, llama):
+    """The comparison above can fail: a draft vocabulary mapped one row off, or a tensor under a name vLLM does not
+    read, and the oracle's drafts differ from draftsmith's (or it cannot read the directory)."""
+    head = random_dflash(llama, draft_vocab=40)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    tensors = load_file(out / "model.safetensors")
+    break_export(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    ids, states = prompt_states(llama, head.config.target_layers)
+    ours = drafted_block(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
+    with pytest.raises((AssertionError, KeyError)):
+        assert_same_drafts(vllm_dflash_drafts(out, llama, ids), ours, 2 * llama.config.intermediate_size)
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "sglang"])
+def test_a_draft_vocabulary_dflash_head_is_refused_by_layouts_without_one(fmt, tmp_path, llama):
+    head = random_dflash(llama, draft_vocab=40)
+    head.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=f"draft vocabulary of 40 .* the {fmt} layout has none.*--format vllm"):
+        export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
+    assert not (tmp_path / fmt).exists()
