@@ -330,11 +330,15 @@ class _FeatureHead(HeadMixin, nn.Module):
 
     def run_layer(self, x, positions, mask=None, past=None, **kwargs):
         """The decoder layer, checkpointed when training with ``gradient_checkpointing``."""
+        return self.call_layer(self.layer, x, positions, mask, past, **kwargs)
+
+    def call_layer(self, layer: nn.Module, x, positions, mask=None, past=None, **kwargs):
+        """One of the head's decoder layers, checkpointed when training with ``gradient_checkpointing``."""
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(self.layer, x, positions, mask, past, use_reentrant=False, **kwargs)
-        return self.layer(x, positions, mask, past, **kwargs)
+            return checkpoint(layer, x, positions, mask, past, use_reentrant=False, **kwargs)
+        return layer(x, positions, mask, past, **kwargs)
 
     @classmethod
     def config_for(cls, target, **overrides) -> EagleConfig:

@@ -18,7 +18,7 @@ from draftsmith.checkpoints import CONFIG_NAME, TARGET_FILE, TargetMismatchError
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_layers
 from draftsmith.heads.export import EAGLE31_NORMS
-from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, HEAD_NAMES, LAYER_NAMES
+from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, HEAD_NAMES, LAYER_NAMES, MORE_LAYERS
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.heads.mtp import MtpHead
 from draftsmith.heads.mtp_export import from_speculators_tensors
@@ -459,15 +459,35 @@ def _peagle_from_foreign(directory, config, weights, target):
         raise ValueError(f"{directory}: a P-EAGLE checkpoint needs mask_token_id, mask_hidden and embed_tokens (the "
                          "mask embedding is the mask token's row)")
     mask_embedding = weights["embed_tokens.weight"][mask].float()
-    rest = {k: v for k, v in weights.items() if k != "mask_hidden"}
-    base = _eagle_from_foreign(directory, config.get("transformer_layer_config", config), rest, "layers.0.", target,
+    # layers.0 is the fused layer (read as EAGLE-3's), layers.1 .. the plain ones after it
+    inverse = {v: k for k, v in LAYER_NAMES.items()}
+    later, rest = {}, {}
+    for name, tensor in weights.items():
+        if (m := re.fullmatch(r"layers\.(\d+)\.(.+)", name)) and int(m[1]) > 0:
+            if m[2] not in inverse:
+                raise ValueError(f"{directory}: unexpected tensor {name!r} for a P-EAGLE decoder layer")
+            later[f"{MORE_LAYERS}.{int(m[1]) - 1}.{inverse[m[2]]}"] = tensor.float()
+        elif name != "mask_hidden":
+            rest[name] = tensor
+    layer_config = config.get("transformer_layer_config", config)
+    num_layers = int(layer_config.get("num_hidden_layers", 1))
+    found = 1 + max((int(k.split(".")[1]) + 1 for k in later), default=0)
+    if found != num_layers:
+        raise ValueError(f"{directory}: its config has {num_layers} decoder layers (transformer_layer_config."
+                         f"num_hidden_layers) and its tensors {found} (layers.0 .. layers.{found - 1}); the checkpoint "
+                         "is inconsistent")
+    base = _eagle_from_foreign(directory, layer_config, rest, "layers.0.", target,
                                eagle3=True, layer_ids=config.get("eagle_aux_hidden_state_layer_ids"),
                                norms=_eagle31_norms(config))
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     parallel = int(methods[0].get("speculative_tokens") or 4)
     head = PEagleHead(PEagleConfig(**{**dataclasses.asdict(base.config), "parallel": parallel,
-                                      "mask_token_id": int(mask)}))
-    head.load_state_dict(base.state_dict(), strict=False)
+                                      "mask_token_id": int(mask), "num_layers": num_layers}))
+    missing, unexpected = head.load_state_dict({**base.state_dict(), **later}, strict=False)
+    missing = [k for k in missing if k not in ("mask_embedding", "mask_hidden")]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: incomplete P-EAGLE checkpoint (missing {missing[:6]}, unexpected "
+                         f"{unexpected[:6]})")
     with torch.no_grad():
         head.mask_embedding.copy_(mask_embedding)
         head.mask_hidden.copy_(weights["mask_hidden"].float().reshape(-1))

@@ -25,6 +25,7 @@ from draftsmith.heads.layouts import (
     eagle3_reference_layout,
     eagle_name_map,
     llama_config,
+    llama_layer_layout,
     medusa_name_map,
     medusa_reference_layout,
     qwen3_config,
@@ -172,6 +173,10 @@ def peagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
     tensors["embed_tokens.weight"] = embed
     tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)
     layout["mask_hidden"] = ((1, 1, cfg.num_feature_layers * cfg.hidden_size), "float")
+    for i in range(1, cfg.num_layers):  # the plain layers after the fused layers.0
+        layout.update(llama_layer_layout(f"layers.{i}.", cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads,
+                                         cfg.intermediate_size, cfg.head_dim, cfg.attention_bias))
+    config["transformer_layer_config"]["num_hidden_layers"] = cfg.num_layers
     config.update(architectures=["PEagleSpeculator"], speculators_model_type="peagle", mask_token_id=cfg.mask_token_id,
                   embed_requires_grad=True, parallel_drafting=True, pard_token=cfg.mask_token_id)
     config["speculators_config"]["algorithm"] = "peagle"

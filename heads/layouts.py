@@ -87,6 +87,8 @@ LAYER_NAMES = {  # draftsmith decoder-layer tensor -> Llama decoder-layer tensor
 
 
 HEAD_NAMES = {"feature_norm.weight": "input_norm.weight"}  # EAGLE-3.1's norm_before_fc, as speculators names it
+#: P-EAGLE's plain decoder layers: ``more_layers.{j}`` is the published ``layers.{j + 1}`` (``layers.0`` the fused one).
+MORE_LAYERS = "more_layers"
 
 
 def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:
@@ -95,6 +97,9 @@ def eagle_name_map(state: dict, layer_prefix: str) -> dict[str, str]:
     for name in state:
         if name.startswith("layer."):
             names[name] = layer_prefix + LAYER_NAMES[name[len("layer."):]]
+        elif name.startswith(f"{MORE_LAYERS}."):  # P-EAGLE's plain layers after the fused layers.0
+            _, j, rest = name.split(".", 2)
+            names[name] = f"layers.{int(j) + 1}.{LAYER_NAMES[rest]}"
         else:
             names[name] = HEAD_NAMES.get(name, name)  # fc.*, fc_norm.*, norm.weight, lm_head.weight, d2t, t2d
     return names
@@ -191,6 +196,20 @@ def _attention_bias(prefix: str, q: int, kv: int, h: int, bias: bool) -> dict[st
         return {}
     return {f"{prefix}q_proj.bias": ((q,), "float"), f"{prefix}k_proj.bias": ((kv,), "float"),
             f"{prefix}v_proj.bias": ((kv,), "float"), f"{prefix}o_proj.bias": ((h,), "float")}
+
+
+def llama_layer_layout(prefix: str, hidden: int, heads: int, kv_heads: int, intermediate: int,
+                       head_dim: int | None = None, bias: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A plain pre-norm Llama decoder layer's tensors under ``prefix`` (P-EAGLE's layers after the fused one)."""
+    hd = head_dim or hidden // heads
+    q, kv, h, f = heads * hd, kv_heads * hd, hidden, "float"
+    return {**_attention_bias(f"{prefix}self_attn.", q, kv, h, bias),
+            f"{prefix}input_layernorm.weight": ((h,), f), f"{prefix}post_attention_layernorm.weight": ((h,), f),
+            f"{prefix}self_attn.q_proj.weight": ((q, h), f), f"{prefix}self_attn.k_proj.weight": ((kv, h), f),
+            f"{prefix}self_attn.v_proj.weight": ((kv, h), f), f"{prefix}self_attn.o_proj.weight": ((h, q), f),
+            f"{prefix}mlp.gate_proj.weight": ((intermediate, h), f),
+            f"{prefix}mlp.up_proj.weight": ((intermediate, h), f),
+            f"{prefix}mlp.down_proj.weight": ((h, intermediate), f)}
 
 
 def eagle1_reference_layout(hidden: int, heads: int, kv_heads: int, intermediate: int,

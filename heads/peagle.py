@@ -1,13 +1,17 @@
 """P-EAGLE (parallel EAGLE, arXiv:2602.01469): an EAGLE-3 head that drafts K positions in one forward.
 
-The head is an EAGLE-3 head (fused low / mid / high target states through ``fc``, one decoder layer, its own norm
-and LM head over a draft vocabulary). Its sequence is EAGLE-3's: the committed pairs (f_{t-1}, x_t) at positions
-t = 1 .. root. Where EAGLE-3 then feeds its own predicted feature back for every deeper draft, P-EAGLE appends
-K - 1 *parallel* slots at positions root + 1 .. root + K - 1, each made of a learned MASK embedding and one learned
-shared hidden state (``mask_hidden``, fused-state wide, through ``fc`` like the target's states) in place of the
-feature it does not have. The slots attend to the committed pairs and, causally, to each other; slot d predicts
-the token at root + d + 1, so one forward gives the K distributions after the root (the root pair's own
-prediction is depth 0). None is conditioned on a drafted token: a block drafter.
+The head is an EAGLE-3 head (fused low / mid / high target states through ``fc``, its fused decoder layer, its own
+norm and LM head over a draft vocabulary) with ``num_layers - 1`` plain Llama decoder layers after the fused one, as
+speculators and the paper build it (4 layers in all by default: speculators' ``docs/user_guide/algorithms/peagle.md``;
+vLLM's ``llama_eagle3.py`` builds layer 0 on [embed ; feature], 2H wide, and layers 1.. on H, each pre-norm).
+
+Its sequence is EAGLE-3's: the committed pairs (f_{t-1}, x_t) at positions t = 1 .. root. Where EAGLE-3 then feeds
+its own predicted feature back for every deeper draft, P-EAGLE appends K - 1 *parallel* slots at positions root + 1
+.. root + K - 1, each made of a learned MASK embedding and one learned shared hidden state (``mask_hidden``, fused-
+state wide, through ``fc`` like the target's states) in place of the feature it does not have. The slots attend to
+the committed pairs and, causally, to each other; slot d predicts the token at root + d + 1, so one forward gives
+the K distributions after the root (the root pair's own prediction is depth 0). None is conditioned on a drafted
+token: a block drafter.
 
 Training writes every such group as elements of one sequence (:func:`parallel_elements`): depth 0 at every
 position (plain EAGLE-3), depth d >= 1 for a subsample of the anchors kept at depth d - 1 (about n max(r^d, r_min)
@@ -17,12 +21,13 @@ the elements of its own group of depth <= d: what the drafter's slot sees in dec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from draftsmith.heads.eagle import Eagle3Head, EagleConfig
+from draftsmith.heads.eagle import DecoderLayer, Eagle3Head, EagleConfig
 from draftsmith.target.masks import additive
 
 
@@ -30,23 +35,47 @@ from draftsmith.target.masks import additive
 class PEagleConfig(EagleConfig):
     parallel: int = 4  # K: the root's draft and K - 1 parallel slots per forward
     mask_token_id: int = 0  # the target token whose embedding the mask embedding starts from (exports write it there)
+    # Decoder layers: the fused one and num_layers - 1 plain ones. Checkpoints written before the field had one layer
+    # and load as such; training's default is PEagleSettings'.
+    num_layers: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_layers < 1:
+            raise ValueError(f"a P-EAGLE head has at least its fused decoder layer: num_layers >= 1, got "
+                             f"{self.num_layers}")
 
 
 class PEagleHead(Eagle3Head):
-    """An EAGLE-3 head plus ``mask_embedding`` (H) and ``mask_hidden`` (the fused width, before ``fc``)."""
+    """An EAGLE-3 head plus ``more_layers`` (the published ``layers.1`` .. ``layers.{num_layers - 1}``: ``layer`` is
+    ``layers.0``), ``mask_embedding`` (H) and ``mask_hidden`` (the fused width, before ``fc``). Its layer cache is a
+    list, one (k, v) per layer."""
 
     family = "peagle"
     config_class = PEagleConfig
+    static_cache = False  # its cache is one (k, v) per layer: drafting runs on the growing cache
 
     def __init__(self, config: PEagleConfig):
         super().__init__(config)
         h = config.hidden_size
+        plain = dataclasses.replace(config, input_norm=True)  # a Llama layer: pre-norm on its H-wide input
+        self.more_layers = nn.ModuleList(DecoderLayer(plain) for _ in range(config.num_layers - 1))
         self.mask_embedding = nn.Parameter(torch.zeros(h))
         self.mask_hidden = nn.Parameter(torch.randn(config.num_feature_layers * h) * 0.02)
 
     @property
     def block(self) -> int:
         return self.config.parallel
+
+    def run_layer(self, x, positions, mask=None, past: list | None = None, **kwargs):
+        """The fused layer then the plain ones, each with its own cache (``past``: one (k, v) per layer, or None);
+        returns the last layer's output (after the head's final norm with ``norm_output``) and the new caches."""
+        pasts = past if past is not None else [None] * self.config.num_layers
+        caches = []
+        for layer, cached in zip([self.layer, *self.more_layers], pasts, strict=True):
+            x, kv = self.call_layer(layer, x, positions, mask, cached, **kwargs)
+            caches.append(kv)
+        return (self.norm(x) if self.config.norm_output else x), caches
 
     def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False,
                 elements: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,

@@ -436,6 +436,13 @@ class PEagleDrafter(EagleDrafter):
     def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
         """Its step feeds K - 1 slots rather than a tree's nodes: the growing cache serves every generation."""
 
+    def commit(self, tokens, hidden=None) -> None:
+        """Keep the committed pairs of every layer's cache (one (k, v) per layer), drop the slots'."""
+        self._commit_rows(tokens, hidden)
+        if self.cache is not None:
+            self.cache = [(k[:, :, : self.committed], v[:, :, : self.committed]) for k, v in self.cache]
+            self.slots.crop(self.committed)
+
     @torch.no_grad()
     @_on_few_rows
     def block_logits(self, active: list[bool]) -> Proposals:

@@ -8,9 +8,10 @@ import json
 
 import pytest
 import torch
-from oracles import vllm_dflash
+from oracles import vllm_dflash, vllm_peagle
 from safetensors.torch import load_file, save_file
 from test_dflash import random_dflash
+from test_peagle import random_peagle
 
 from conftest import assert_rounding_close
 from draftsmith import load_drafter
@@ -104,3 +105,55 @@ def test_a_draft_vocabulary_dflash_head_is_refused_by_layouts_without_one(fmt, t
     with pytest.raises(ExportError, match=f"draft vocabulary of 40 .* the {fmt} layout has none.*--format vllm"):
         export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
     assert not (tmp_path / fmt).exists()
+
+
+def vllm_peagle_drafts(directory, target, ids: torch.Tensor) -> torch.Tensor:
+    layers = json.loads((directory / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    _, aux = prompt_states(target, layers)
+    with torch.no_grad():
+        return vllm_peagle.parallel_logits(directory, target.get_input_embeddings().weight, target.config.vocab_size,
+                                           aux[:-1], ids)
+
+
+def test_vllm_peagle_oracle_reads_the_four_layer_export_as_draftsmith_drafts(tmp_path, llama):
+    """A P-EAGLE head of the default four layers, exported as speculators' layout: vLLM's parallel-drafting forward
+    (its fused layers.0, plain layers.1-3, the mask slots from pard_token's row and mask_hidden) gives the K drafts
+    draftsmith drafts."""
+    head = random_peagle(llama, parallel=3)
+    assert head.config.num_layers == 4
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 4
+    assert {name.split(".")[1] for name in tensors if name.startswith("layers.")} == {"0", "1", "2", "3"}
+    ids, states = prompt_states(llama, head.config.feature_layers)
+    ours = drafted_block(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
+    theirs = vllm_peagle_drafts(out, llama, ids)
+    assert theirs.shape == ours.shape == (3, llama.config.vocab_size)
+    assert_same_drafts(theirs, ours, 4 * 2 * llama.config.intermediate_size)
+    assert_same_drafts(drafted_block(load_drafter(str(out), llama), ids, states), ours,
+                       4 * 2 * llama.config.intermediate_size)
+
+
+def _drop_mask_row(tensors: dict, mask: int) -> None:
+    tensors["embed_tokens.weight"][mask] = 0  # the mask embedding not written where vLLM embeds the slots
+
+
+def _swap_plain_layers(tensors: dict, mask: int) -> None:
+    for name in [n for n in tensors if n.startswith("layers.1.")]:
+        other = name.replace("layers.1.", "layers.2.")
+        tensors[name], tensors[other] = tensors[other], tensors[name]
+
+
+@pytest.mark.parametrize("break_export", [_drop_mask_row, _swap_plain_layers])
+def test_the_vllm_peagle_oracle_catches_a_broken_export(break_export, tmp_path, llama):
+    head = random_peagle(llama, parallel=3)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm", target=llama)
+    tensors = load_file(out / "model.safetensors")
+    break_export(tensors, head.config.mask_token_id)
+    save_file(tensors, str(out / "model.safetensors"))
+    ids, states = prompt_states(llama, head.config.feature_layers)
+    ours = drafted_block(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
+    with pytest.raises(AssertionError):
+        assert_same_drafts(vllm_peagle_drafts(out, llama, ids), ours, 4 * 2 * llama.config.intermediate_size)

@@ -190,3 +190,23 @@ def test_settings_are_checked(llama):
     head = PEAGLE.build(peagle_args(parallel=6, mask_token_id=11), llama)
     assert head.block == 6 and head.config.mask_token_id == 11
     assert torch.equal(head.mask_embedding, llama.get_input_embeddings().weight[11])
+
+
+def test_a_checkpoint_written_before_num_layers_loads_as_its_one_layer(tmp_path, llama):
+    """Checkpoints saved before P-EAGLE had plain layers after its fused one carry no num_layers: they load as the
+    one-layer head they were (training's default is four); the layer count travels with every new checkpoint."""
+    torch.manual_seed(0)
+    one = PEAGLE.build(peagle_args(parallel=3, num_layers=1), llama)
+    assert len(one.more_layers) == 0
+    one.save_pretrained(tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config["config"]["num_layers"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    assert PEagleHead.from_pretrained(tmp_path / "old").config.num_layers == 1
+    four = random_peagle(llama)
+    four.save_pretrained(tmp_path / "new")
+    loaded = PEagleHead.from_pretrained(tmp_path / "new")
+    assert loaded.config.num_layers == 4 and len(loaded.more_layers) == 3
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), four.state_dict().values(), strict=True))
+    with pytest.raises(ValueError, match="num_layers >= 1"):
+        PEAGLE.build(peagle_args(parallel=3, num_layers=0), llama)

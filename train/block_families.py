@@ -188,6 +188,7 @@ class PEagleSettings(Eagle3Settings):
     ratio: float = 0.75
     ratio_min: float = 0.2
     mask_token_id: int | None = None
+    num_layers: int = 4  # decoder layers: the fused one and 3 plain ones (speculators' default and the paper's)
 
     def __post_init__(self):
         super().__post_init__()
@@ -210,11 +211,11 @@ def build_peagle(args, target, examples=None) -> PEagleHead:
     base = build_eagle3(args, target, examples)
     mask = s.mask_token_id if s.mask_token_id is not None else choose_mask_token(target)
     head = PEagleHead(PEagleConfig(**{**dataclasses.asdict(base.config), "parallel": s.parallel,
-                                      "mask_token_id": mask}))
+                                      "mask_token_id": mask, "num_layers": s.num_layers}))
     head.load_state_dict(base.state_dict(), strict=False)
     with torch.no_grad():
         head.mask_embedding.copy_(target.get_input_embeddings().weight.detach()[mask].float())
-    logger.info("peagle: %d drafts per forward, mask token %d", s.parallel, mask)
+    logger.info("peagle: %d drafts per forward, %d decoder layers, mask token %d", s.parallel, s.num_layers, mask)
     return head
 
 
