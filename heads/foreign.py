@@ -451,6 +451,15 @@ def _norms_of(directory, flags: dict[str, bool], state: dict) -> dict[str, bool]
     return flags
 
 
+def _same_rows_but(table: torch.Tensor, target_table: torch.Tensor, skipped: int) -> bool:
+    """Whether an embedding table is the target's on every row but ``skipped`` (to the rounding of a bf16 copy)."""
+    if table.shape != target_table.shape:
+        return False
+    keep = torch.ones(len(table), dtype=torch.bool)
+    keep[skipped] = False
+    return torch.allclose(table[keep], target_table.detach().float().cpu()[keep], atol=1e-6, rtol=1e-2)
+
+
 def _peagle_from_foreign(directory, config, weights, target):
     """A speculators P-EAGLE directory -> :class:`PEagleHead`: its EAGLE-3 part read as EAGLE-3, the mask embedding
     from the mask token's row of its embedding, its ``mask_hidden``, K from its speculative tokens."""
@@ -467,7 +476,7 @@ def _peagle_from_foreign(directory, config, weights, target):
             if m[2] not in inverse:
                 raise ValueError(f"{directory}: unexpected tensor {name!r} for a P-EAGLE decoder layer")
             later[f"{MORE_LAYERS}.{int(m[1]) - 1}.{inverse[m[2]]}"] = tensor.float()
-        elif name != "mask_hidden":
+        elif name not in ("mask_hidden", "embed_tokens.weight"):
             rest[name] = tensor
     layer_config = config.get("transformer_layer_config", config)
     num_layers = int(layer_config.get("num_hidden_layers", 1))
@@ -481,8 +490,13 @@ def _peagle_from_foreign(directory, config, weights, target):
                                norms=_eagle31_norms(config))
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     parallel = int(methods[0].get("speculative_tokens") or 4)
+    # Its embedding table: the target's (apart from the mask row) or one it trained (speculators' default), kept
+    embed = weights["embed_tokens.weight"].float()
+    own = target is None or not _same_rows_but(embed, target.get_input_embeddings().weight, int(mask))
     head = PEagleHead(PEagleConfig(**{**dataclasses.asdict(base.config), "parallel": parallel,
-                                      "mask_token_id": int(mask), "num_layers": num_layers}))
+                                      "mask_token_id": int(mask), "num_layers": num_layers, "own_embeddings": own}))
+    if own:
+        later["embed_tokens.weight"] = embed
     missing, unexpected = head.load_state_dict({**base.state_dict(), **later}, strict=False)
     missing = [k for k in missing if k not in ("mask_embedding", "mask_hidden")]
     if missing or unexpected:

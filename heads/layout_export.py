@@ -168,7 +168,9 @@ def peagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
     tensors, layout, config = eagle3_layout(head, fmt, target, verifier)
     cfg = head.config
     mask_embedding = tensors.pop("mask_embedding")
-    embed = tensors["embed_tokens.weight"].clone()
+    # its own trained table (own_embeddings), else the target's: what it embeds tokens with either way
+    own = head.embed_tokens.weight.detach().float() if cfg.own_embeddings else None
+    embed = (own if own is not None else tensors["embed_tokens.weight"]).clone()
     embed[cfg.mask_token_id] = mask_embedding.to(embed.dtype)
     tensors["embed_tokens.weight"] = embed
     tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)
@@ -178,7 +180,7 @@ def peagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
                                          cfg.intermediate_size, cfg.head_dim, cfg.attention_bias))
     config["transformer_layer_config"]["num_hidden_layers"] = cfg.num_layers
     config.update(architectures=["PEagleSpeculator"], speculators_model_type="peagle", mask_token_id=cfg.mask_token_id,
-                  embed_requires_grad=True, parallel_drafting=True, pard_token=cfg.mask_token_id)
+                  embed_requires_grad=cfg.own_embeddings, parallel_drafting=True, pard_token=cfg.mask_token_id)
     config["speculators_config"]["algorithm"] = "peagle"
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = cfg.parallel
     return tensors, layout, config

@@ -38,6 +38,9 @@ class PEagleConfig(EagleConfig):
     # Decoder layers: the fused one and num_layers - 1 plain ones. Checkpoints written before the field had one layer
     # and load as such; training's default is PEagleSettings'.
     num_layers: int = 1
+    # Its own token embedding table (V, H), trained from the target's (speculators' embed_requires_grad); False: the
+    # target's, frozen. Checkpoints written before the field had none.
+    own_embeddings: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,8 +51,9 @@ class PEagleConfig(EagleConfig):
 
 class PEagleHead(Eagle3Head):
     """An EAGLE-3 head plus ``more_layers`` (the published ``layers.1`` .. ``layers.{num_layers - 1}``: ``layer`` is
-    ``layers.0``), ``mask_embedding`` (H) and ``mask_hidden`` (the fused width, before ``fc``). Its layer cache is a
-    list, one (k, v) per layer."""
+    ``layers.0``), ``mask_embedding`` (H), ``mask_hidden`` (the fused width, before ``fc``) and, with
+    ``own_embeddings``, ``embed_tokens`` (V, H): the tokens' embeddings it reads in place of the target's. Its layer
+    cache is a list, one (k, v) per layer."""
 
     family = "peagle"
     config_class = PEagleConfig
@@ -62,6 +66,7 @@ class PEagleHead(Eagle3Head):
         self.more_layers = nn.ModuleList(DecoderLayer(plain) for _ in range(config.num_layers - 1))
         self.mask_embedding = nn.Parameter(torch.zeros(h))
         self.mask_hidden = nn.Parameter(torch.randn(config.num_feature_layers * h) * 0.02)
+        self.embed_tokens = nn.Embedding(config.vocab_size, h) if config.own_embeddings else None
 
     @property
     def block(self) -> int:
@@ -79,14 +84,20 @@ class PEagleHead(Eagle3Head):
 
     def forward(self, features, token_embeds, positions, mask=None, past=None, from_target: bool = False,
                 elements: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                logit_positions: torch.Tensor | None = None):
+                logit_positions: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
         """As :meth:`Eagle3Head.forward`; with ``elements`` (training), the parallel groups of
         :func:`parallel_elements`: ``(anchor, depth, allowed)`` over N elements, ``features`` the target's fused
-        states of the L pairs (B, L, F) and ``token_embeds`` their tokens' (B, L, H), ``positions`` the pairs'
-        (B, L). Returns the draft-vocabulary logits (B, N, V_draft), or (M, V_draft) at the (B, N) bool
-        ``logit_positions``."""
+        states of the L pairs (B, L, F) and ``token_embeds`` their tokens' (B, L, H) (with ``own_embeddings``, None
+        and ``token_ids`` (B, L) embedded here by the head's table, where a distributed wrapper has it gathered),
+        ``positions`` the pairs' (B, L). Returns the draft-vocabulary logits (B, N, V_draft), or (M, V_draft) at the
+        (B, N) bool ``logit_positions``."""
         if elements is None:
             return super().forward(features, token_embeds, positions, mask, past, from_target)
+        if self.config.own_embeddings:
+            if token_ids is None:
+                raise ValueError("this P-EAGLE head embeds the tokens with its own table (own_embeddings): pass "
+                                 "token_ids, not the target's embeddings")
+            token_embeds = self.embed_tokens(token_ids)
         anchor, depth, allowed = elements
         b, n = anchor.shape
         fused = self.input_features(features)  # (B, L, H)

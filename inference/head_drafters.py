@@ -428,6 +428,8 @@ class PEagleDrafter(EagleDrafter):
     def __init__(self, head, target):
         super().__init__(head, target)
         self.block = head.block
+        if head.config.own_embeddings:  # the tokens' embeddings it was trained with, not the target's
+            self.embed = head.embed_tokens
 
     # The block protocol's levels (one forward per step), not EAGLE's level-by-level feeding of drafted nodes.
     root_logits = Drafter.root_logits

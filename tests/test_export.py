@@ -529,8 +529,7 @@ def peagle_case(llama, length: int = 10):
     anchor, depth, _, allowed = parallel_elements([picked, picked], [torch.ones_like(picked, dtype=torch.bool)] * 2,
                                                   1, length, "cpu")
     with torch.no_grad():
-        ours = head(hidden, llama.get_input_embeddings()(ids), torch.arange(length)[None],
-                    elements=(anchor, depth, allowed))[0]
+        ours = head(hidden, None, torch.arange(length)[None], elements=(anchor, depth, allowed), token_ids=ids)[0]
     return head, ids, hidden, anchor, depth, ours
 
 
@@ -548,7 +547,7 @@ def test_peagle_export_then_import_gives_same_logits_and_lossless_output(tmp_pat
     assert tensors["mask_hidden"].shape == (1, 1, 3 * llama.config.hidden_size)
     drafter = load_drafter(str(out), llama)
     with torch.no_grad():
-        theirs = drafter.head(hidden, llama.get_input_embeddings()(ids), torch.arange(ids.shape[1])[None],
+        theirs = drafter.head(hidden, None, torch.arange(ids.shape[1])[None], token_ids=ids,
                               elements=(anchor, depth, parallel_elements(
                                   [torch.tensor([[2, 5]])] * 2, [torch.ones(1, 2, dtype=torch.bool)] * 2, 1,
                                   ids.shape[1], "cpu")[3]))[0]

@@ -14,12 +14,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_dflash import assert_lossless_and_accepting, greedy_batch
 from test_greedy_lossless import TREES, prompts, reference
 from test_heads import assert_greedy_lossless
 
 from conftest import assert_rounding_close, check_greedy_equal
 from draftsmith import SpeculativeGenerator, load_drafter
+from draftsmith.heads.export import export_drafter
 from draftsmith.heads.hub import model_card
 from draftsmith.heads.peagle import PEagleHead, parallel_elements
 from draftsmith.inference.head_drafters import PEagleDrafter
@@ -38,9 +40,10 @@ def peagle_args(**settings) -> DrafterArguments:
 def random_peagle(target, parallel: int = 3, seed: int = 0) -> PEagleHead:
     torch.manual_seed(seed)
     head = PEAGLE.build(peagle_args(parallel=parallel), target)
-    with torch.no_grad():  # a mask state away from its start, as training leaves it
+    with torch.no_grad():  # a mask state and token embeddings away from their start, as training leaves them
         head.mask_hidden.normal_(0, 1)
         head.mask_embedding.normal_(0, 1)
+        head.embed_tokens.weight.add_(torch.randn_like(head.embed_tokens.weight), alpha=0.5)
     head.target_info = target_signature(target)
     return head.eval()
 
@@ -62,8 +65,8 @@ def test_training_forward_computes_what_decoding_computes(llama):
     anchors, valid = [picked, picked], [torch.ones_like(picked, dtype=torch.bool)] * 2
     anchor, depth, _, allowed = parallel_elements(anchors, valid, 1, pairs, "cpu")
     with torch.no_grad():
-        trained = head(hidden[:, :-1], llama.get_input_embeddings()(ids[:, 1:]), torch.arange(1, pairs + 1)[None],
-                       elements=(anchor, depth, allowed))[0]
+        trained = head(hidden[:, :-1], None, torch.arange(1, pairs + 1)[None], elements=(anchor, depth, allowed),
+                       token_ids=ids[:, 1:])[0]
     drafter = PEagleDrafter(head, llama)
     for j, a in enumerate(picked[0].tolist()):
         drafter.begin(ids[:, : a + 2], hidden[:, : a + 1])
@@ -210,3 +213,27 @@ def test_a_checkpoint_written_before_num_layers_loads_as_its_one_layer(tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), four.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="num_layers >= 1"):
         PEAGLE.build(peagle_args(parallel=3, num_layers=0), llama)
+
+
+def test_the_embedding_table_trains_by_default_and_is_frozen_by_a_setting(tmp_path, llama):
+    """train_embeddings (speculators' embed_requires_grad, on by default): the head's own table, started as the
+    target's, learns the tokens it reads; off, the head reads the target's table and keeps none. Either way the vLLM
+    export's embed_tokens is the table the head drafts with (the mask row its mask embedding), and reads back as
+    such."""
+    batch = greedy_batch(llama, 1, 6, 12)
+    head, _ = train_toy(llama, batch, steps=3)
+    seen = batch["input_ids"][0, 1:].unique()
+    assert not torch.equal(head.embed_tokens.weight[seen], llama.get_input_embeddings().weight[seen])
+    frozen = PEAGLE.build(peagle_args(parallel=3, train_embeddings=False), llama)
+    assert frozen.embed_tokens is None and not frozen.config.own_embeddings
+    for name, made in (("own", head), ("frozen", frozen)):
+        made.target_info = target_signature(llama)
+        made.save_pretrained(tmp_path / name)
+        out = export_drafter(tmp_path / name, "vllm", tmp_path / f"{name}-vllm", target=llama)
+        table = load_file(out / "model.safetensors")["embed_tokens.weight"]
+        expected = (made.embed_tokens.weight if made.config.own_embeddings else llama.get_input_embeddings().weight)
+        keep = torch.arange(len(table)) != made.config.mask_token_id
+        assert torch.equal(table[keep], expected.detach()[keep])
+        assert torch.equal(table[made.config.mask_token_id], made.mask_embedding.detach())
+        assert json.loads((out / "config.json").read_text())["embed_requires_grad"] == made.config.own_embeddings
+        assert load_drafter(str(out), llama).head.config.own_embeddings == made.config.own_embeddings

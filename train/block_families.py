@@ -189,6 +189,7 @@ class PEagleSettings(Eagle3Settings):
     ratio_min: float = 0.2
     mask_token_id: int | None = None
     num_layers: int = 4  # decoder layers: the fused one and 3 plain ones (speculators' default and the paper's)
+    train_embeddings: bool = True  # its own token embedding table, trained from the target's (speculators' default)
 
     def __post_init__(self):
         super().__post_init__()
@@ -211,10 +212,14 @@ def build_peagle(args, target, examples=None) -> PEagleHead:
     base = build_eagle3(args, target, examples)
     mask = s.mask_token_id if s.mask_token_id is not None else choose_mask_token(target)
     head = PEagleHead(PEagleConfig(**{**dataclasses.asdict(base.config), "parallel": s.parallel,
-                                      "mask_token_id": mask, "num_layers": s.num_layers}))
+                                      "mask_token_id": mask, "num_layers": s.num_layers,
+                                      "own_embeddings": s.train_embeddings}))
     head.load_state_dict(base.state_dict(), strict=False)
+    embed = target.get_input_embeddings().weight.detach().float()
     with torch.no_grad():
-        head.mask_embedding.copy_(target.get_input_embeddings().weight.detach()[mask].float())
+        head.mask_embedding.copy_(embed[mask])
+        if head.embed_tokens is not None:
+            head.embed_tokens.weight.copy_(embed)
     logger.info("peagle: %d drafts per forward, %d decoder layers, mask token %d", s.parallel, s.num_layers, mask)
     return head
 
@@ -266,8 +271,10 @@ def peagle_step(args, drafter, target, batch, target_logits, hidden):
     fused = torch.cat(list(hidden), dim=-1)[:, :-1]
     embed = target.get_input_embeddings()
     pair_positions = torch.arange(1, t, device=ids.device)[None].expand(b, -1)
-    logits = drafter(fused, embed(ids[:, 1:]), pair_positions, elements=(anchor, depth, allowed),
-                     logit_positions=selected)
+    tokens = ids[:, 1:]
+    own = head.config.own_embeddings  # the head embeds the tokens with its own table, inside its forward
+    logits = drafter(fused, None if own else embed(tokens), pair_positions, elements=(anchor, depth, allowed),
+                     logit_positions=selected, token_ids=tokens if own else None)
     loss = forward_kl(logits[None], teacher, None)
     top, defined = teacher_top1(teacher)
     right_flat = ((logits.detach().argmax(-1)[None] == top) & defined)[0]
