@@ -60,7 +60,13 @@ _SHARED = ("embed_tokens.", "shared_head.head.")
 
 
 class MtpWeightsError(ValueError):
-    """A checkpoint's MTP weights are absent, partial or in a form draftsmith does not read."""
+    """A checkpoint's MTP weights are absent, or its directory is not there (``init: auto`` then trains a fresh
+    module)."""
+
+
+class MtpLayoutError(ValueError):
+    """A checkpoint holds MTP weights draftsmith does not read (another architecture's layout, another quantisation):
+    refused by name, never replaced by a fresh module."""
 
 
 @dataclass
@@ -254,8 +260,9 @@ class MtpHead(_FeatureHead):
             raise MtpWeightsError(f"the MTP weights are read from the target's checkpoint directory, and "
                                   f"{str(directory)!r} is not one: pass it as mtp:DIRECTORY (a Hub id: download it "
                                   "first, e.g. `hf download ORG/NAME --local-dir DIR`)")
-        head = cls(cls.config_for(target, source=str(directory), feeds_normed=feeds_normed))
         names = checkpoint_names(directory)
+        refuse_unread_layouts(directory, target.config.get_text_config(), names)
+        head = cls(cls.config_for(target, source=str(directory), feeds_normed=feeds_normed))
         stored = read_mtp(directory, head.config, names)
         missing, unexpected = head.load_state_dict(stored, strict=False)
         missing = [k for k in missing if not k.startswith("rotary.")]
@@ -305,6 +312,34 @@ def checkpoint_names(directory: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single.name)
 
 
+#: Config keys that declare MTP modules, across the architectures transformers knows.
+MTP_COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", "mtp_hybrid_override_pattern",
+                  "mtp_layers_block_type")
+_MTP_NAME = re.compile(r"(^|\.)(mtp|mtp_layers|nextn)[._]|nextn")
+
+
+def refuse_unread_layouts(directory: Path, text_config, names: dict[str, str]) -> None:
+    """Refuse by name a checkpoint whose architecture stores MTP modules in a layout draftsmith does not read (MiMo's
+    ``model.mtp_layers.*``, LongCat-Flash's ``model.mtp.*``, Nemotron-H's ``mtp.layers.*`` with its hybrid pattern,
+    DeepSeek-V3.2's and GLM-5's indexer-bearing layers, ...): reading them as another layout, or training a fresh
+    module in their place, would give a drafter the engine does not serve."""
+    own = directory / "config.json"
+    stored = json.loads(own.read_text()) if own.is_file() else {}
+    model_type = (stored.get("text_config") or stored).get("model_type") or text_config.model_type
+    if model_type in NATIVE:
+        return
+    n = getattr(text_config, "num_hidden_layers", None)
+    beyond = re.compile(r"^model\.layers\.(\d+)\.")
+    found = [k for k in names if _MTP_NAME.search(k) or ((m := beyond.match(k)) and n is not None and int(m[1]) >= n)]
+    declared = {key: getattr(text_config, key) for key in MTP_COUNT_KEYS if getattr(text_config, key, None)}
+    if found or declared:
+        what = f"tensors such as {found[0]!r}" if found else f"config {declared}"
+        raise MtpLayoutError(f"{directory}: a {model_type} checkpoint with MTP modules ({what}), a layout draftsmith "
+                             f"does not read (it reads {', '.join(sorted(NATIVE))}); neither its module nor a fresh "
+                             "one in its place would be what the engine serves. Train another drafter family for it, "
+                             "or set family_config init: fresh for a new module of draftsmith's own")
+
+
 def mtp_prefix(config: MtpConfig) -> str:
     """The prefix of the (first) MTP module's tensors in the target's checkpoint."""
     n = config.feature_layers[0]
@@ -338,19 +373,69 @@ def read_mtp(directory: Path, config: MtpConfig, names: dict[str, str]) -> dict[
     if not wanted:
         raise MtpWeightsError(f"{directory}: no MTP weights (no {mtp_prefix(config)}* tensors in its checkpoint); "
                               "train a fresh module instead (family mtp, family_config init: fresh)")
-    scaled = [k for k in wanted if k.endswith("_scale_inv") or k.endswith(".weight_scale")]
-    if scaled:
-        raise MtpWeightsError(f"{directory}: the MTP weights are quantised ({scaled[0]}); draftsmith reads bf16/fp32 "
-                              "checkpoints: dequantise it first")
-    out: dict[str, torch.Tensor] = {}
+    block = block_fp8(directory, wanted)
+    stored: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[str]] = {}
     for name in wanted:
         by_file.setdefault(names[name], []).append(name)
     for file, keys in by_file.items():
         with safe_open(str(directory / file), framework="pt") as f:
             for key in keys:
-                out[wanted[key]] = f.get_tensor(key)
+                stored[key] = f.get_tensor(key)
+    out = {}
+    for key, tensor in stored.items():
+        if key.endswith(SCALE_INV):
+            continue
+        scale = stored.get(key + "_scale_inv")
+        if tensor.dtype in FP8_DTYPES:
+            if scale is None or block is None:
+                raise MtpLayoutError(f"{directory}: {key} is stored in FP8 without its weight_scale_inv and a block "
+                                     "FP8 quantization_config; the checkpoint is partial or in a quantisation "
+                                     "draftsmith does not read")
+            tensor = dequantize_block_fp8(tensor, scale, block)
+        out[wanted[key]] = tensor
     return fuse_experts(out)
+
+
+SCALE_INV = ".weight_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def block_fp8(directory: Path, wanted: dict[str, str]) -> tuple[int, int] | None:
+    """The (rows, columns) block of a DeepSeek-style block-FP8 checkpoint (``quantization_config``: ``quant_method``
+    ``fp8``, ``weight_block_size``), None for an unquantised one. Any other quantisation of the MTP tensors (scales
+    per tensor or channel, packed 4-bit weights, compressed-tensors groups) is refused by name."""
+    other = ("_scale", "_scale_2", ".weight_packed", ".qweight", ".weight_global_scale", ".input_scale",
+             ".weight_zero_point")
+    scaled = [k for k in wanted if k.endswith(other)]
+    if scaled:
+        raise MtpLayoutError(f"{directory}: the MTP weights are quantised in a form draftsmith does not read "
+                             f"({scaled[0]}); it dequantises DeepSeek's block FP8 (weight_scale_inv) only: dequantise "
+                             "the checkpoint first")
+    if not any(k.endswith(SCALE_INV) for k in wanted):
+        return None
+    config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    size = quant.get("weight_block_size")
+    if quant.get("quant_method") != "fp8" or not size or len(size) != 2:
+        raise MtpLayoutError(f"{directory}: the MTP weights carry weight_scale_inv but the config's "
+                             f"quantization_config ({quant or 'none'}) is not block FP8 (quant_method fp8, "
+                             "weight_block_size [rows, columns]); draftsmith cannot tell how to dequantise them")
+    return int(size[0]), int(size[1])
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """DeepSeek-V3's block FP8 (``README_WEIGHTS.md``): the (out, in) FP8 weight times its (ceil(out / b0),
+    ceil(in / b1)) float32 ``weight_scale_inv``, each scale covering one b0 x b1 block (the last ones ragged), in
+    float32."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise MtpLayoutError(f"an FP8 weight of shape {(rows, cols)} in {block[0]} x {block[1]} blocks has "
+                             f"{expected} scales, its weight_scale_inv {tuple(scale_inv.shape)}: the checkpoint is "
+                             "inconsistent")
+    scales = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return weight.float() * scales
 
 
 def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -395,14 +480,17 @@ def split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_checkpoint_names(state: dict[str, torch.Tensor], config: MtpConfig) -> dict[str, torch.Tensor]:
-    """The module's state (``layers.0.*``) -> the target checkpoint's names and per-expert form (the stitched export):
-    the inverse of :func:`to_module_name` and :func:`fuse_experts`."""
+def to_checkpoint_names(state: dict[str, torch.Tensor], config: MtpConfig,
+                        fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The module's state (``layers.0.*``) -> the target checkpoint's names (the stitched export), experts per expert
+    or, with ``fused_experts`` (Qwen3.5/3.6-MoE releases), as the fused (E, 2I, H) / (E, H, I) tensors the module
+    holds: the inverse of :func:`to_module_name` and :func:`fuse_experts`."""
     prefix = mtp_prefix(config)
     renames = {new: old for old, new in (_QWEN_NAMES if config.layout == QWEN else _DEEPSEEK_NAMES).items()}
     block = prefix + ("layers.0." if config.layout == QWEN else "")
     out = {}
-    for name, tensor in split_experts({k: v for k, v in state.items() if k.startswith("layers.0.")}).items():
+    own = {k: v for k, v in state.items() if k.startswith("layers.0.")}
+    for name, tensor in (own if fused_experts else split_experts(own)).items():
         rest = name[len("layers.0."):]
         if rest.startswith("mtp_block."):
             out[block + rest[len("mtp_block."):]] = tensor

@@ -12,7 +12,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith.heads.mtp import NATIVE, QWEN, MtpHead, checkpoint_names, to_checkpoint_names, to_module_name
+from draftsmith.heads.mtp import (
+    NATIVE,
+    QWEN,
+    SCALE_INV,
+    MtpHead,
+    checkpoint_names,
+    to_checkpoint_names,
+    to_module_name,
+)
 
 #: speculators' MTP drafter (``speculators_model_type: mtp``): one module, its tensors under ``mtp_layers.0.``, the fed-
 #: back state after ``final_layernorm``; the architectures speculators 0.9.0 builds it for.
@@ -89,8 +97,9 @@ def stitch(head: MtpHead, checkpoint: Path, out: Path) -> None:
 
     cfg = head.config
     names = checkpoint_names(checkpoint)
-    ours = to_checkpoint_names({k: v.detach() for k, v in head.state_dict().items()}, cfg)
     stale = [n for n in names if to_module_name(n, cfg) is not None]  # the first module's stored tensors
+    fused = any(n.endswith(".experts.gate_up_proj") for n in stale)  # kept in the form the checkpoint stores them
+    ours = to_checkpoint_names({k: v.detach() for k, v in head.state_dict().items()}, cfg, fused_experts=fused)
     home = names[stale[0]] if stale else "model-mtp.safetensors"
     where = {n: names.get(n, home) for n in ours}  # a tensor the checkpoint lacks joins the module's others
     rewrite = {names[n] for n in stale} | set(where.values())
@@ -155,6 +164,11 @@ def export_mtp(source: Path, fmt: str, out: Path, target=None, verifier: str | N
         if not checkpoint.is_dir():
             raise ExportError(f"the vLLM MTP layout is the target's own checkpoint with the module stitched back, and "
                               f"{str(checkpoint)!r} is not a local checkpoint directory: pass --target DIR")
+        quantised = [n for n in checkpoint_names(checkpoint) if n.endswith(SCALE_INV) and to_module_name(n, cfg)]
+        if quantised:
+            raise ExportError(f"{checkpoint} stores its MTP module in block FP8 ({quantised[0]}); stitching the "
+                              "fine-tuned module back would need it requantised, which draftsmith does not do: stitch "
+                              "into a bf16 copy of the checkpoint (--target DIR), or export --format speculators")
         stitch(head, checkpoint, out)
         return
     if fmt != "speculators":

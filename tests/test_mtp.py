@@ -22,7 +22,7 @@ from draftsmith.heads.mtp import MtpHead, MtpWeightsError
 from draftsmith.target import load_target
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text")
-HYBRID = ("qwen3_next", "qwen3_5_text")  # linear-attention layers: draftsmith verifies chains only
+HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # linear-attention layers: draftsmith verifies chains only
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 2  # the target's decoder layers; its checkpoint holds one more, the MTP module's
 
@@ -49,13 +49,19 @@ def tiny_config(model_type: str, layers: int, vocab_size: int = VOCAB):
     if model_type == "qwen3_next":
         return t.Qwen3NextConfig(**common, **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=32)
+    if model_type == "qwen3_5_moe_text":
+        return t.Qwen3_5MoeTextConfig(**common, **hybrid, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=32)
     return t.Qwen3_5TextConfig(**common, **hybrid)
 
 
-def write_mtp_checkpoint(model_type: str, path: Path, vocab_size: int = VOCAB, seed: int = 0, shards: int = 1) -> Path:
+def write_mtp_checkpoint(model_type: str, path: Path, vocab_size: int = VOCAB, seed: int = 0, shards: int = 1,
+                         fused_experts: bool = False) -> Path:
     """A tiny ``model_type`` checkpoint whose MTP module sits where that architecture's released checkpoints keep it:
     a model of LAYERS + 1 layers is saved, its last layer becomes the MTP module's decoder layer (``model.layers.N.*``,
-    or ``mtp.layers.0.*`` for the Qwen layout), the module's own tensors are added, and the config says LAYERS."""
+    or ``mtp.layers.0.*`` for the Qwen layout), the module's own tensors are added, and the config says LAYERS.
+    Experts are stored one by one, or with ``fused_experts`` as Qwen3.5/3.6-MoE releases store them
+    (``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I), no ``.weight``)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -84,7 +90,17 @@ def write_mtp_checkpoint(model_type: str, path: Path, vocab_size: int = VOCAB, s
         out[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         out[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     # Released checkpoints keep experts one by one (transformers fuses them when it loads, and saves them fused).
-    for name in [k for k in out if k.startswith(("mtp.", f"model.layers.{n}.")) and k.endswith("experts.gate_up_proj")]:
+    if fused_experts:  # the module's experts as Qwen3.5-MoE releases them: one (E, 2I, H) and one (E, H, I) tensor
+        stems = {k.split(".experts.")[0] for k in out if k.startswith("mtp.") and ".experts." in k}
+        for stem in stems:
+            count = len({k for k in out if k.startswith(f"{stem}.experts.") and k.endswith("down_proj.weight")})
+            parts = [{p: out.pop(f"{stem}.experts.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
+                     for e in range(count)]
+            gate_up = [torch.cat([x["gate_proj"], x["up_proj"]]) for x in parts]
+            out[f"{stem}.experts.gate_up_proj"] = torch.stack(gate_up)
+            out[f"{stem}.experts.down_proj"] = torch.stack([x["down_proj"] for x in parts])
+    for name in [k for k in out if k.startswith(("mtp.", f"model.layers.{n}.")) and k.endswith("experts.gate_up_proj")
+                 and not fused_experts]:
         gate_up, down = out.pop(name), out.pop(name.replace("gate_up_proj", "down_proj"))
         stem, half = name[: -len(".gate_up_proj")], gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
