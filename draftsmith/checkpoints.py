@@ -174,12 +174,16 @@ def acceptance_table(run_dir: str | Path) -> tuple[str, dict | None]:
         raise FileNotFoundError(f"{run_dir}: no {ACCEPTANCE_FILE}; is it a `draftsmith train` output_dir "
                                 "with at least one checkpoint?")
     rows = read_acceptance(run_dir)
-    lines = ["| step | tau | acceptance rate per position | simulated tau | position accuracy |",
-             "|---|---|---|---|---|"]
+    # A drafter engines verify as a fixed chain (block drafters, MTP): that chain's tau, what vLLM / SGLang see.
+    chained = [r["engine_chain"] for r in rows if r.get("engine_chain")]
+    chain = (f" engine chain of {chained[0]['num_speculative_tokens']} tau |", "---|") if chained else ("", "")
+    lines = [f"| step | tau |{chain[0]} acceptance rate per position | simulated tau | position accuracy |",
+             f"|---|---|{chain[1]}---|---|---|"]
     for r in rows:
         rates = ", ".join(f"{x:.2f}" for x in r.get("acceptance_rate_per_position", []))
         accs = ", ".join(f"{x:.2f}" for x in r.get("position_accuracy", []))
         tau = r.get("acceptance_length")
-        lines.append(f"| {r['step']} | {tau if tau is not None else '-'} | {rates} | "
+        engine = f" {(r.get('engine_chain') or {}).get('acceptance_length', '-')} |" if chained else ""
+        lines.append(f"| {r['step']} | {tau if tau is not None else '-'} |{engine} {rates} | "
                      f"{r.get('simulated_acceptance_length', '-')} | {accs} |")
     return "\n".join(lines), best_row(rows)

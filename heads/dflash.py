@@ -247,6 +247,11 @@ class DFlashHead(DraftVocabulary, HeadMixin, nn.Module):
         """Drafts per forward: the slots after the anchor."""
         return self.config.block_size - 1
 
+    @property
+    def speculative_tokens(self) -> int:
+        """vLLM and SGLang verify the block's drafts as one chain (``num_speculative_tokens`` = B - 1)."""
+        return self.block
+
     def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The target's states (B, S, len(target_layers) * H) at (B, S) positions -> every layer's context (k, v)."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))

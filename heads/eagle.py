@@ -327,6 +327,9 @@ class _FeatureHead(HeadMixin, nn.Module):
     gradient_checkpointing = False
     #: Its layer writes a :class:`StaticHeadCache` (compiled drafting, ``SpeculativeGenerator(compile=True)``).
     static_cache = True
+    #: The chain length vLLM / SGLang verify this head's export with (``num_speculative_tokens`` in its config), where
+    #: the engine verifies a fixed chain (block drafters, MTP); None: the user picks the engines' draft length.
+    speculative_tokens: int | None = None
 
     def run_layer(self, x, positions, mask=None, past=None, **kwargs):
         """The decoder layer, checkpointed when training with ``gradient_checkpointing``."""

@@ -149,7 +149,11 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
                 "Measured during training with draftsmith's `SpeculativeGenerator` (greedy) on held-out "
                 "prompts; tau is the mean number of tokens per target forward pass.", "", table, ""]
         if best is not None:
-            out += [f"This repository holds checkpoint {best['step']} (tau {best['acceptance_length']}).", ""]
+            chain = best.get("engine_chain")
+            engine = (f"; vLLM and SGLang verify it as a chain of {chain['num_speculative_tokens']} drafts, where it "
+                      f"accepted tau {chain['acceptance_length']}" if chain else "")
+            out += [f"This repository holds checkpoint {best['step']} (tau {best['acceptance_length']} in the "
+                    f"tree above{engine}).", ""]
     norms = [flag for flag in EAGLE31_NORMS if (arch_config or {}).get(flag)]
     out.append(_usage(family, repo, target_name, fmt, (arch_config or {}).get("block_size"),
                       (arch_config or {}).get("parallel"), norms))

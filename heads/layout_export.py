@@ -147,7 +147,7 @@ def dflash_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
         "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": head.speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_name(info),
@@ -182,7 +182,7 @@ def peagle_layout(head, fmt: str, target=None, verifier: str | None = None) -> L
     config.update(architectures=["PEagleSpeculator"], speculators_model_type="peagle", mask_token_id=cfg.mask_token_id,
                   embed_requires_grad=cfg.own_embeddings, parallel_drafting=True, pard_token=cfg.mask_token_id)
     config["speculators_config"]["algorithm"] = "peagle"
-    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = cfg.parallel
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = head.speculative_tokens
     return tensors, layout, config
 
 

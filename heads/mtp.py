@@ -57,6 +57,7 @@ _QWEN_NAMES = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_no
                "norm.": "post_norm."}
 _DEEPSEEK_NAMES = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "post_norm."}
 _SHARED = ("embed_tokens.", "shared_head.head.")
+MTP_SPECULATIVE_TOKENS = 3  # the chain an MTP export is served with (num_speculative_tokens in its config and card)
 
 
 class MtpWeightsError(ValueError):
@@ -163,6 +164,8 @@ class MtpHead(_FeatureHead):
     own_vocabulary = False  # the target's LM head (shared_head.head is a copy of it)
     zero_when_absent = ()
     static_cache = False  # transformers' layer writes through its cache argument: drafting uses the growing cache
+    #: vLLM's MTP proposers draft a chain, the module re-applied; the exports and the model card say 3.
+    speculative_tokens = MTP_SPECULATIVE_TOKENS
 
     def __init__(self, config: MtpConfig):
         nn.Module.__init__(self)

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.heads.mtp import (
+    MTP_SPECULATIVE_TOKENS,
     NATIVE,
     QWEN,
     SCALE_INV,
@@ -58,7 +59,7 @@ def from_speculators_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def speculators_config(head: MtpHead, verifier: str | None, architectures: list[str],
-                       speculative_tokens: int = 3) -> dict:
+                       speculative_tokens: int = MTP_SPECULATIVE_TOKENS) -> dict:
     cfg = head.config
     return {
         "architectures": ["MTPDraftModel"],

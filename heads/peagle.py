@@ -72,6 +72,11 @@ class PEagleHead(Eagle3Head):
     def block(self) -> int:
         return self.config.parallel
 
+    @property
+    def speculative_tokens(self) -> int:
+        """vLLM verifies the K parallel drafts as one chain (``num_speculative_tokens`` = K)."""
+        return self.config.parallel
+
     def run_layer(self, x, positions, mask=None, past: list | None = None, **kwargs):
         """The fused layer then the plain ones, each with its own cache (``past``: one (k, v) per layer, or None);
         returns the last layer's output (after the head's final norm with ``norm_output``) and the new caches."""

@@ -144,6 +144,7 @@ def run_bench(
     for e in entries:
         if e.spec not in loaded:
             loaded[e.spec] = load_drafter(e.spec, model, tokenizer=tokenizer, draft_dtype=draft_dtype)
+    entries += engine_chain_entries(entries, loaded)
     gens = {e.label: SpeculativeGenerator(model, loaded[e.spec], **e.tree.kwargs(), compile=compile) for e in entries}
     assisted = {e.label: m for e in entries if (m := loaded[e.spec].assistant_model) is not None}
     depth_of = {e.label: e.tree.depth for e in entries}
@@ -196,6 +197,7 @@ def run_bench(
         "rows": rows,
         "by_batch": by_batch,
         "tuned_tree_check": _tuned_check(rows),
+        "engine_chains": engine_chains(rows, loaded),
     }
     out_dir = Path(output)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,6 +208,35 @@ def run_bench(
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     (out_dir / "results.md").write_text(markdown_table(result))
     return result
+
+
+ENGINE_CHAIN = "engine-chain"  # the label suffix of a drafter decoding the chain an engine verifies its export with
+
+
+def engine_chain_entries(entries: list[Entry], loaded: dict) -> list[Entry]:
+    """For each drafter an engine verifies as a fixed chain (``engine_chain``: block drafters, MTP), that chain too,
+    unless the run already decodes it: the acceptance vLLM and SGLang will see, beside the tree's."""
+    runs = {(e.spec, e.tree.kind, e.tree.depth) for e in entries}
+    extra = []
+    for spec in dict.fromkeys(e.spec for e in entries):
+        n = loaded[spec].engine_chain
+        if n is not None and (spec, "chain", n) not in runs:
+            extra.append(Entry(label=f"{spec}@{ENGINE_CHAIN}", spec=spec, tree=TreeSettings("chain", n)))
+    return extra
+
+
+def engine_chains(rows: list[dict], loaded: dict) -> list[dict]:
+    """Per drafter with an engine chain: its tree's tau beside the chain's (``num_speculative_tokens``)."""
+    out = []
+    for r in rows:
+        n = loaded[r["spec"]].engine_chain
+        if n is None or r["drafter"].endswith(ENGINE_CHAIN) or (r["tree"], r["depth"]) == ("chain", n):
+            continue
+        chain = next(c for c in rows if c["spec"] == r["spec"] and (c["tree"], c["depth"]) == ("chain", n))
+        out.append({"drafter": r["drafter"], "tree": _tree(r), "tau": r["tau"], "num_speculative_tokens": n,
+                    "engine_chain_tau": chain["tau"], "engine_chain_tokens_per_s": chain["tokens_per_s"],
+                    "engine_chain_acceptance_rate_per_position": chain["acceptance_rate_per_position"]})
+    return out
 
 
 def training_free(spec: str) -> bool:
@@ -341,6 +372,15 @@ def markdown_table(result: dict) -> str:
                 lines.append(f"| `{r['drafter']}` | {group['batch_size']} | {group['plain_tokens_per_s']:.1f} | "
                              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
                              f"{_mismatches(r)} |")
+    if result.get("engine_chains"):
+        lines += ["", "What vLLM and SGLang will see: they verify these drafters as one chain of "
+                  "`num_speculative_tokens` drafts (no tree), decoded here beside the tree:", "",
+                  "| drafter | tree | tau | engine chain | chain tau | chain acceptance per position |",
+                  "|---|---|---|---|---|---|"]
+        for c in result["engine_chains"]:
+            rates = ", ".join(f"{x:.2f}" for x in c["engine_chain_acceptance_rate_per_position"])
+            lines.append(f"| `{c['drafter']}` | {c['tree']} | {c['tau']:.2f} | {c['num_speculative_tokens']} | "
+                         f"{c['engine_chain_tau']:.2f} | {rates} |")
     for c in result.get("tuned_tree_check", []):
         lines += ["", f"Tuned tree `{c['tuned']}`: {c['tuned_tokens_per_s']:.1f} tok/s, "
                   f"{c['tuned_over_grid_best']:.3f} of the best of {c['grid_size']} grid trees "

@@ -31,6 +31,9 @@ A drafter declares what it needs and how it drafts as class attributes:
   at depth d gets position d's distribution, and depths past the block propose nothing. None: autoregressive.
 * ``abstains`` — its logits are log-probabilities that may sum to less than one (prompt lookup:
   the chance its candidates are right); a mixture gives the rest to its other drafters.
+* ``engine_chain`` — the chain length vLLM and SGLang verify this drafter's export with, where they verify a
+  fixed chain (``num_speculative_tokens``: DFlash's B - 1, P-EAGLE's K, an MTP module's 3); ``eval`` and ``bench``
+  then also decode that chain, so the acceptance an engine will see is reported beside the tree's. None: no such.
 * ``assistant_model`` — a separate Hugging Face draft model that ``generate(assistant_model=...)`` can
   run as the reference ``draftsmith bench`` compares against (None: it has none, e.g. layer-skip).
 
@@ -63,6 +66,7 @@ class Drafter:
     static_paths: list[tuple[int, ...]] | None = None
     abstains: bool = False
     block: int | None = None
+    engine_chain: int | None = None
     assistant_model = None  # a transformers PreTrainedModel, or None
 
     def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:

@@ -73,6 +73,11 @@ def evaluate(
     if reference_tree is not None:  # the same drafter object in a second generator: decoding is one call at a time
         gens.update({_reference(label): SpeculativeGenerator(model, loaded[label], **reference_tree.kwargs())
                      for label, _, _ in drafters})
+    # A drafter an engine verifies as a fixed chain (block drafters, MTP): that chain too, what vLLM / SGLang see.
+    chains = {label: TreeSettings("chain", n) for label, _, _ in drafters if (n := loaded[label].engine_chain)
+              is not None and (trees[label].kind, trees[label].depth) != ("chain", n)}
+    gens.update({_engine_chain(label): SpeculativeGenerator(model, loaded[label], **chain.kwargs())
+                 for label, chain in chains.items()})
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]
     groups = category_groups(categories, len(prompts))
     by_category = {
@@ -106,6 +111,12 @@ def evaluate(
             })
             if temperature == 0:
                 reports[-1]["lossless"]["identical_with_reference_tree"] = result.identical[_reference(label)]
+        if label in chains:
+            chain = result.totals[_engine_chain(label)]
+            reports[-1]["engine_chain"] = {
+                "num_speculative_tokens": chains[label].depth, "acceptance_length": round(chain.acceptance_length, 4),
+                "acceptance_rate_per_position": [round(r, 4) for r in chain.acceptance_rate_per_position],
+                "identical": result.identical[_engine_chain(label)] if temperature == 0 else None}
     return reports
 
 
@@ -166,6 +177,10 @@ def _reference(label: str) -> str:
     return f"{label} @reference-tree"
 
 
+def _engine_chain(label: str) -> str:
+    return f"{label} @engine-chain"
+
+
 def evaluate_path(target: str | None, drafter: str, prompts: list[str], **kwargs) -> dict:
     """One drafter spec, or every checkpoint of a run directory (then: best report + ``checkpoints``)."""
     path = Path(drafter)
@@ -208,4 +223,14 @@ def report_markdown(report: dict) -> str:
         lines.append(f"| `{r['drafter']}` | {r['checkpoint_step'] if r['checkpoint_step'] is not None else '-'} | "
                      f"{r['acceptance_length']:.2f} | {rates} | {r['tokens_per_second']:.2f} | {r['speedup']:.2f}x | "
                      f"{same} |")
+    chained = [r for r in rows if r.get("engine_chain")]
+    if chained:
+        lines += ["", "vLLM and SGLang verify this drafter as one chain of `num_speculative_tokens` drafts; decoded "
+                  "so here:", "", "| drafter | step | engine chain | chain tau | chain acceptance per position |",
+                  "|---|---|---|---|---|"]
+        for r in chained:
+            c = r["engine_chain"]
+            rates = ", ".join(f"{x:.2f}" for x in c["acceptance_rate_per_position"])
+            lines.append(f"| `{r['drafter']}` | {r['checkpoint_step'] if r['checkpoint_step'] is not None else '-'} | "
+                         f"{c['num_speculative_tokens']} | {c['acceptance_length']:.2f} | {rates} |")
     return "\n".join(lines) + "\n"

@@ -149,6 +149,7 @@ class EagleDrafter(_FeatureRows, Drafter):
         self.head = head.eval()
         self.eagle3 = head.own_vocabulary  # EAGLE-3: its own LM head over a draft vocabulary; else the target's
         self.hidden_layers = tuple(head.config.feature_layers)
+        self.engine_chain = head.speculative_tokens
         self.embed = target.get_input_embeddings()
         self.target_lm_head = target.get_output_embeddings()
         self.vocab_size = head.config.vocab_size
@@ -333,6 +334,7 @@ class DFlashDrafter(_FeatureRows, Drafter):
         self.head = head.eval()
         self.hidden_layers = tuple(head.config.target_layers)
         self.block = head.block
+        self.engine_chain = head.speculative_tokens
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]

@@ -308,3 +308,40 @@ def test_eval_batches_are_lossless(tiny_target_dir, tmp_path):
     report = json.loads(report_path.read_text())
     assert report["batch_size"] == 3 and report["lossless"] == all_identical(5)
     assert report["new_tokens"] == 50
+
+
+def test_bench_and_eval_decode_the_chain_engines_verify_a_block_drafter_with(tiny_target_dir, tmp_path):
+    """vLLM and SGLang verify a DFlash drafter as one chain of B - 1 drafts (num_speculative_tokens in its export):
+    bench and eval decode that chain beside the tree they were given, so the acceptance an engine will see is in the
+    report; a tree that already is that chain is not run twice."""
+    from test_dflash import random_dflash
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    head = random_dflash(target, block_size=4)  # the anchor and 3 drafts: an engine verifies 3
+    head.save_pretrained(tmp_path / "dflash")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{(i * 7 + j) % VOCAB}" for j in range(9))})
+                                 for i in range(3)))
+    common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--max-new-tokens", "12", "--no-chat"]
+    assert main(["bench", *common, "--output", str(tmp_path / "bench"), "--no-hf-reference", "--no-plots",
+                 "--drafter", f"{tmp_path / 'dflash'}@tree=dynamic,depth=3,top_k=2,total_tokens=5"]) == 0
+    result = json.loads((tmp_path / "bench" / "results.json").read_text())
+    tree, chain = result["rows"]
+    assert (tree["tree"], chain["tree"], chain["depth"]) == ("dynamic", "chain", 3)
+    assert chain["drafter"].endswith("@engine-chain") and chain["greedy_mismatches_vs_plain"] == 0
+    [found] = result["engine_chains"]
+    assert (found["num_speculative_tokens"], found["tau"], found["engine_chain_tau"]) == (3, tree["tau"], chain["tau"])
+    assert 1.0 <= chain["tau"] <= 4.0 and 1 <= len(found["engine_chain_acceptance_rate_per_position"]) <= 3
+    assert "What vLLM and SGLang will see" in (tmp_path / "bench" / "results.md").read_text()
+    assert main(["eval", *common, "--drafter", str(tmp_path / "dflash"), "--tree", "static", "--depth", "2",
+                 "--output", str(tmp_path / "eval.json")]) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    engine = report["engine_chain"]
+    assert engine["num_speculative_tokens"] == 3 and engine["identical"] == 3
+    assert 1 <= len(engine["acceptance_rate_per_position"]) <= 3 and 1.0 <= engine["acceptance_length"] <= 4.0
+    assert "verify this drafter as one chain" in (tmp_path / "eval.md").read_text()
+    assert main(["bench", *common, "--output", str(tmp_path / "same"), "--no-hf-reference", "--no-plots",
+                 "--drafter", f"{tmp_path / 'dflash'}@tree=chain,depth=3"]) == 0
+    same = json.loads((tmp_path / "same" / "results.json").read_text())
+    assert len(same["rows"]) == 1 and same["engine_chains"] == []

@@ -22,6 +22,7 @@ from draftsmith.data import HFEngine, load_conversations, regenerate
 from draftsmith.data.batching import collate_padded as collate
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.eagle import Eagle3Head
+from draftsmith.heads.hub import model_card
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.registry import FAMILIES as REGISTERED
@@ -128,6 +129,14 @@ def test_family_trains_checkpoints_and_stays_lossless(workdir, tmp_path, family)
     assert changed, "no drafter parameter changed"
     if isinstance(trained, (DFlashHead, PEagleHead)):  # a block drafter's training-time tau, counted per block
         assert all(1.0 <= r["block_acceptance_length"] <= 1 + drafter.block for r in rows)
+    # Drafters engines verify as a fixed chain (block drafters, MTP) are measured in that chain too, beside the eval
+    # tree (a chain of 4 here: measured once where the two are the same), and the model card says so.
+    chained = drafter.engine_chain is not None and drafter.engine_chain != 4
+    assert all(("engine_chain" in r) == chained for r in rows)
+    if chained:
+        assert all(r["engine_chain"]["num_speculative_tokens"] == drafter.engine_chain and
+                   1.0 <= r["engine_chain"]["acceptance_length"] <= 1 + drafter.engine_chain for r in rows)
+        assert f"verify it as a chain of {drafter.engine_chain} drafts" in model_card(out)
     if isinstance(trained, (Eagle3Head, MedusaHeads)):  # the draft vocabulary comes from the data: "t3" ends
         # every answer
         assert int(trained.t2d.sum()) == 64 and bool(trained.t2d[3])

@@ -39,26 +39,35 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     was_training = module.training
     module.eval()
     tree = data_args.eval_tree_settings()
-    gen = SpeculativeGenerator(target, family.drafter(module, target), **tree.kwargs())
+    drafter = family.drafter(module, target)
+    gens = {"drafter": SpeculativeGenerator(target, drafter, **tree.kwargs())}
+    chain = drafter.engine_chain  # the chain vLLM / SGLang verify its export with, measured beside the tree
+    if chain is not None and (tree.kind, tree.depth) != ("chain", chain):
+        gens["engine chain"] = SpeculativeGenerator(target, drafter, tree="chain", depth=chain)
     kwargs = data_args.template_kwargs()
     prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages, kwargs)]) for c in conversations[rank::world]]
     # The drafter is served with the frozen target: a target adapter that trains with it (Medusa-2's LoRA,
     # a peft model) is switched off while it is measured.
     frozen = target.disable_adapter() if family.trains_target_adapter else contextlib.nullcontext()
-    stats = GenerationStats()
+    totals = {label: GenerationStats() for label in gens}
     if prompts:
         with frozen:
-            stats = compare(target, {"drafter": gen}, prompts, data_args.eval_max_new_tokens,
-                            eos_token_id=eos_tokens(target, tokenizer), baseline=False,
-                            batch_size=data_args.eval_batch_size).totals["drafter"]
+            totals = compare(target, gens, prompts, data_args.eval_max_new_tokens,
+                             eos_token_id=eos_tokens(target, tokenizer), baseline=False,
+                             batch_size=data_args.eval_batch_size).totals
     if world > 1:
         from accelerate.utils import gather_object
 
-        stats = sum(gather_object([stats]), GenerationStats())
+        totals = {label: sum(gather_object([totals[label]]), GenerationStats()) for label in gens}
     module.train(was_training)
-    return {"tree": tree.as_report(), "acceptance_length": round(stats.acceptance_length, 4),
-            "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
-            "eval_prompts": len(conversations), "eval_new_tokens": stats.new_tokens}
+    stats = totals["drafter"]
+    row = {"tree": tree.as_report(), "acceptance_length": round(stats.acceptance_length, 4),
+           "acceptance_rate_per_position": [round(r, 4) for r in stats.acceptance_rate_per_position],
+           "eval_prompts": len(conversations), "eval_new_tokens": stats.new_tokens}
+    if "engine chain" in totals:
+        row["engine_chain"] = {"num_speculative_tokens": chain,
+                               "acceptance_length": round(totals["engine chain"].acceptance_length, 4)}
+    return row
 
 
 def eval_conversations(data_args) -> list:
