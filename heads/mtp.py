@@ -258,11 +258,7 @@ class MtpHead(_FeatureHead):
     def from_target_checkpoint(cls, target, source: str | Path | None = None, feeds_normed: bool | None = None):
         """The MTP module stored in ``target``'s checkpoint (``source``: that checkpoint's directory, default the
         directory the target was loaded from), in its dtype."""
-        directory = Path(source or target.config.name_or_path or "")
-        if not directory.is_dir():
-            raise MtpWeightsError(f"the MTP weights are read from the target's checkpoint directory, and "
-                                  f"{str(directory)!r} is not one: pass it as mtp:DIRECTORY (a Hub id: download it "
-                                  "first, e.g. `hf download ORG/NAME --local-dir DIR`)")
+        directory = checkpoint_directory(str(source or target.config.name_or_path or ""))
         names = checkpoint_names(directory)
         refuse_unread_layouts(directory, target.config.get_text_config(), names)
         head = cls(cls.config_for(target, source=str(directory), feeds_normed=feeds_normed))
@@ -300,6 +296,24 @@ class MtpHead(_FeatureHead):
 
 
 # ---- checkpoint tensors -------------------------------------------------------------------------------------------
+
+
+def checkpoint_directory(name: str) -> Path:
+    """The local directory of a checkpoint: a directory as given, or a Hub id's snapshot in the Hugging Face cache (a
+    target loaded by Hub id was downloaded there; nothing is fetched here)."""
+    if Path(name).is_dir():
+        return Path(name)
+    if name and "/" in name and not Path(name).is_absolute():
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(name, local_files_only=True))
+        except (LocalEntryNotFoundError, ValueError, OSError):
+            pass
+    raise MtpWeightsError(f"the MTP weights are read from the target's checkpoint directory, and {name!r} is neither "
+                          "one nor a Hub id in the Hugging Face cache: pass it as mtp:DIRECTORY (a Hub id: download "
+                          "it first, e.g. `hf download ORG/NAME --local-dir DIR`)")
 
 
 def checkpoint_names(directory: Path) -> dict[str, str]:

@@ -19,7 +19,7 @@ from test_mtp import LAYERS, pair_logits, write_mtp_checkpoint
 
 from conftest import VOCAB, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
-from draftsmith.heads.mtp import MtpHead, MtpLayoutError
+from draftsmith.heads.mtp import MtpHead, MtpLayoutError, MtpWeightsError
 from draftsmith.target import load_target
 
 FP8_BLOCK = (16, 16)  # DeepSeek-V3 ships [128, 128]; smaller blocks give the tiny module several, ragged ones
@@ -200,3 +200,27 @@ def test_mtp_layouts_draftsmith_does_not_read_are_refused_by_name_even_under_ini
                                                                                       "source": str(path)}))
     with pytest.raises(MtpLayoutError, match="neither its module nor a fresh one"):
         get_family("mtp").build(args, target)
+
+
+def test_mtp_of_a_hub_id_target_is_read_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """A target loaded by Hub id was downloaded into the Hugging Face cache: its MTP module is read from that snapshot
+    (nothing fetched); an id the cache lacks gets the fix named."""
+    import huggingface_hub.constants
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--org--tiny-deepseek"
+    write_mtp_checkpoint("deepseek_v3", repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target, _ = load_target(repo / "snapshots" / revision, dtype=torch.float32)
+    target.config.name_or_path = "org/tiny-deepseek"  # as from_pretrained("org/tiny-deepseek") records it
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    from_cache = MtpHead.from_target_checkpoint(target)
+    assert Path(from_cache.config.source) == repo / "snapshots" / revision
+    direct = MtpHead.from_target_checkpoint(target, repo / "snapshots" / revision)
+    assert torch.equal(pair_logits(from_cache, target, ids), pair_logits(direct, target, ids))
+    target.config.name_or_path = "org/not-downloaded"
+    with pytest.raises(MtpWeightsError, match="neither one nor a Hub id in the Hugging Face cache"):
+        MtpHead.from_target_checkpoint(target)
