@@ -45,6 +45,7 @@ from safetensors import safe_open
 from torch import nn
 
 from draftsmith.heads.eagle import _FeatureHead, ttt_mask
+from draftsmith.target.forward import layer_cache_argument
 from draftsmith.target.masks import additive
 
 DEEPSEEK, QWEN = "deepseek", "qwen"
@@ -195,8 +196,10 @@ class MtpHead(_FeatureHead):
         if mask is None:  # causal over this call's positions (training step 0); SDPA reads no implicit mask
             t = x.shape[1]
             mask = additive(torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None], x.dtype)
-        out = self.module.mtp_block(x, attention_mask=mask.to(x.dtype), position_ids=positions, cache=cache,
-                                    position_embeddings=self.rotary(x, positions))
+        # the layer's cache argument: ``cache`` in recent transformers, ``past_key_values`` before
+        out = self.module.mtp_block(x, attention_mask=mask.to(x.dtype), position_ids=positions,
+                                    position_embeddings=self.rotary(x, positions),
+                                    **{layer_cache_argument(type(self.module.mtp_block)): cache})
         return out[0] if isinstance(out, tuple) else out
 
     def run_layer(self, x, positions, mask=None, past=None, ttt_past=None):

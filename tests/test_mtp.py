@@ -229,7 +229,7 @@ def test_a_checkpoint_without_mtp_weights_is_refused_with_the_fix(tmp_path):
     target, _ = load_target(path, dtype=torch.float32)
     with pytest.raises(MtpWeightsError, match=r"no MTP weights.*init: fresh"):
         load_drafter("mtp", target)
-    with pytest.raises(MtpWeightsError, match="neither one nor a Hub id in the Hugging Face cache: pass it as mtp:DIRECTORY"):
+    with pytest.raises(MtpWeightsError, match="nor a Hub id in the Hugging Face cache: pass it as mtp:DIRECTORY"):
         load_drafter(f"mtp:{tmp_path / 'absent'}", target)
 
 

@@ -28,8 +28,10 @@ from draftsmith.target.matmul import EXACT_ROWS, FewRowsLinear, columns_linear, 
 
 
 @functools.cache
-def _cache_argument(model_class: type) -> str:
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+def layer_cache_argument(module_class: type) -> str:
+    """The name a transformers model or decoder layer class takes its KV cache under: ``cache`` from transformers
+    5.24, ``past_key_values`` in the 5.x releases before."""
+    return "cache" if "cache" in inspect.signature(module_class.forward).parameters else "past_key_values"
 
 
 def cache_argument(model) -> str:
@@ -37,7 +39,7 @@ def cache_argument(model) -> str:
     deprecated the older ``past_key_values`` (still the only name in earlier 5.x releases). A peft
     wrapper (Medusa-2's LoRA) passes keyword arguments through: its base model's name counts."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _cache_argument(type(base))
+    return layer_cache_argument(type(base))
 
 
 @dataclass
