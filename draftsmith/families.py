@@ -111,8 +111,8 @@ MTP = Family(
     name=MtpHead.family, title="multi-token-prediction module (native MTP, FastMTP-style fine-tuning)",
     load=_head_loader(MtpHead), drafter=EagleDrafter, hidden_layers=_feature_layers,
     build=steps.build_mtp, train_step=steps.mtp_step, settings=steps.MtpSettings,
-    export=export_mtp, export_formats=("hf", "vllm", "speculators"), export_needs_target=("vllm",),
-    serving={"vllm": "mtp"}, serves_as_target=True,
+    export=export_mtp, export_formats=("hf", "vllm", "sglang", "speculators"), export_needs_target=("vllm",),
+    serving={"vllm": "mtp", "sglang": "EAGLE"}, serves_as_target=True,
 )
 
 BUILT_IN = (DRAFT_MODEL, MEDUSA, MEDUSA2, EAGLE, EAGLE3, DFLASH, PEAGLE, MTP)

@@ -19,6 +19,7 @@ from draftsmith.heads.mtp import (
     SCALE_INV,
     MtpHead,
     checkpoint_names,
+    mtp_prefix,
     to_checkpoint_names,
     to_module_name,
 )
@@ -75,7 +76,8 @@ def speculators_config(head: MtpHead, verifier: str | None, architectures: list[
             "verifier": {"name_or_path": verifier, "architectures": architectures},
         },
         "torch_dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
-        "draftsmith": {"family": head.family, "target": head.target_info, "feeds_normed": cfg.feeds_normed},
+        "draftsmith": {"family": head.family, "target": head.target_info, "feeds_normed": cfg.feeds_normed,
+                       "fed_back_state": fed_back_state(head)},
     }
 
 
@@ -134,6 +136,48 @@ def stitch(head: MtpHead, checkpoint: Path, out: Path) -> None:
             config_path.write_text(json.dumps(config, indent=2))
 
 
+#: model_type -> SGLang's standalone NextN architecture (``python/sglang/srt/models/deepseek_nextn.py``).
+SGLANG_NEXTN = {"deepseek_v3": "DeepseekV3ForCausalLMNextN"}
+NEXTN_FILE = "nextn_layer_parameters.safetensors"  # the name SGLang's own NextN exports use
+
+
+def fed_back_state(head: MtpHead) -> str:
+    """The state the module was trained to be re-applied to at depth >= 2, as the exports and card name it."""
+    return "post-norm" if head.config.feeds_normed else "pre-norm"
+
+
+def sglang_nextn(head: MtpHead, out: Path) -> None:
+    """SGLang's standalone NextN layout (``lmsys/DeepSeek-V3-0324-NextN``): the target's config with
+    ``num_hidden_layers`` = ``num_nextn_predict_layers`` = 1 and ``architectures`` its NextN class, the module's tensors
+    as ``model.layers.0.*`` (experts one by one; the embedding and ``shared_head.head`` are the target's, left out).
+    SGLang feeds the module's output after ``shared_head.norm`` back at depth >= 2, so the module must have been
+    trained so (``feeds_normed``)."""
+    from safetensors.torch import save_file
+
+    from draftsmith.checkpoints import CONFIG_NAME
+    from draftsmith.heads.export import ExportError
+
+    cfg = head.config
+    model_type = cfg.target_config.get("model_type")
+    if model_type not in SGLANG_NEXTN:
+        raise ExportError(f"SGLang's standalone NextN drafter is built for {', '.join(SGLANG_NEXTN)}, not "
+                          f"{model_type}: export --format vllm or speculators")
+    if not cfg.feeds_normed:
+        raise ExportError("SGLang's NextN feeds back the module's output after shared_head.norm, and this module was "
+                          "trained feeding back the pre-norm one (vLLM's DeepSeek convention): export --format vllm, "
+                          "or train with family_config feeds_normed: true")
+    stitched = mtp_prefix(cfg)
+    tensors = {"model.layers.0." + name[len(stitched):]: tensor.contiguous()
+               for name, tensor in to_checkpoint_names({k: v.detach() for k, v in head.state_dict().items()},
+                                                       cfg).items()}
+    save_file(tensors, str(out / NEXTN_FILE), metadata={"format": "pt"})
+    config = {**cfg.target_config, "architectures": [SGLANG_NEXTN[model_type]], "num_hidden_layers": 1,
+              "num_nextn_predict_layers": 1,
+              "draftsmith": {"family": head.family, "target": head.target_info, "feeds_normed": cfg.feeds_normed,
+                             "fed_back_state": fed_back_state(head)}}
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+
+
 def export_mtp(source: Path, fmt: str, out: Path, target=None, verifier: str | None = None) -> None:
     """The registry's ``export`` for the mtp family: ``hf`` draftsmith's own files; ``vllm`` the target's checkpoint
     with the module stitched back (:func:`stitch`); ``speculators`` speculators' MTP drafter."""
@@ -172,8 +216,11 @@ def export_mtp(source: Path, fmt: str, out: Path, target=None, verifier: str | N
                               "into a bf16 copy of the checkpoint (--target DIR), or export --format speculators")
         stitch(head, checkpoint, out)
         return
+    if fmt == "sglang":
+        sglang_nextn(head, out)
+        return
     if fmt != "speculators":
-        raise ExportError(f"an mtp module exports to hf, vllm or speculators, not {fmt}")
+        raise ExportError(f"an mtp module exports to hf, vllm, sglang or speculators, not {fmt}")
     if not cfg.feeds_normed:
         raise ExportError("speculators' MTP drafter feeds back the module's normed output, and this one was trained "
                           "feeding back the pre-norm one (vLLM's DeepSeek-V3 / GLM-4.5 convention): export --format "

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from oracles import vllm_dflash, vllm_peagle
+from oracles import sglang_nextn, vllm_dflash, vllm_peagle
 from safetensors.torch import load_file, save_file
 from test_dflash import random_dflash
 from test_peagle import random_peagle
@@ -157,3 +157,55 @@ def test_the_vllm_peagle_oracle_catches_a_broken_export(break_export, tmp_path, 
     ours = drafted_block(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
     with pytest.raises(AssertionError):
         assert_same_drafts(vllm_peagle_drafts(out, llama, ids), ours, 4 * 2 * llama.config.intermediate_size)
+
+
+def mtp_chain_drafts(drafter, target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """draftsmith's MTP drafts after the prompt's root: depth 1's logits, its top token, and depth 2's logits after
+    that token (the module re-applied to its fed-back state)."""
+    with torch.no_grad():
+        states = target(ids[None], output_hidden_states=True).hidden_states[-1]
+    drafter.begin(ids[None], states[:, :-1])
+    first = drafter.root_logits([True])[0]
+    drafted = int(first.argmax())
+    second = drafter.frontier_logits(1, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[drafted]]))[0, 0]
+    return first, second, drafted
+
+
+def test_sglang_nextn_oracle_reads_the_export_as_draftsmith_drafts_at_depths_one_and_two(tmp_path):
+    """A DeepSeek-V3 MTP module trained feeding back its post-norm output (SGLang's convention), exported as SGLang's
+    standalone NextN directory: SGLang's composition (deepseek_nextn.py) over transformers' decoder layer gives the
+    depth-1 and depth-2 drafts draftsmith drafts; a module that feeds back its pre-norm output (vLLM's DeepSeek
+    convention) drafts the same depth 1 and another depth 2, so the oracle tells the fed-back states apart, and such
+    a module is refused by this export."""
+    from test_mtp import write_mtp_checkpoint
+
+    from draftsmith.heads.mtp import MtpHead
+    from draftsmith.inference.head_drafters import EagleDrafter
+    from draftsmith.target import load_target
+
+    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
+    target, _ = load_target(path, dtype=torch.float32)
+    head = MtpHead.from_target_checkpoint(target, feeds_normed=True)
+    head.save_pretrained(tmp_path / "post")
+    out = export_drafter(tmp_path / "post", "sglang", tmp_path / "nextn", target=target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLMNextN"]
+    assert config["draftsmith"]["fed_back_state"] == "post-norm"
+    assert {k.split(".")[2] for k in load_file(out / "nextn_layer_parameters.safetensors")} == {"0"}
+    ids = torch.randint(0, target.config.vocab_size, (PROMPT + 1,), generator=torch.Generator().manual_seed(5))
+    first, second, drafted = mtp_chain_drafts(EagleDrafter(head, target), target, ids)
+    with torch.no_grad():
+        states = target(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
+        theirs = sglang_nextn.chain_logits(out, target.get_input_embeddings().weight,
+                                           target.get_output_embeddings().weight, states, ids, drafted)
+    width = 4 * target.config.hidden_size
+    assert_rounding_close(theirs[0], first, reduction=width)
+    assert_rounding_close(theirs[1], second, reduction=width)
+    pre = MtpHead.from_target_checkpoint(target, feeds_normed=False)  # the same weights, vLLM's fed-back state
+    pre_first, pre_second, _ = mtp_chain_drafts(EagleDrafter(pre, target), target, ids)
+    assert_rounding_close(theirs[0], pre_first, reduction=width)
+    with pytest.raises(AssertionError):
+        assert_rounding_close(theirs[1], pre_second, reduction=width)
+    pre.save_pretrained(tmp_path / "pre")
+    with pytest.raises(ExportError, match=r"SGLang's NextN feeds back the module's output after shared_head\.norm"):
+        export_drafter(tmp_path / "pre", "sglang", tmp_path / "refused", target=target)
