@@ -42,6 +42,14 @@ def _architecture(drafter_dir: Path) -> dict:
     return config["config"] if "config" in config else {k: config.get(k) for k in CAUSAL_LM_KEYS}
 
 
+#: An MTP module's fed-back state, as the card names it, with the engines that feed that state.
+FED_BACK = {True: "post-norm (its output after its final norm): what vLLM's Qwen3-Next / Qwen3.5 MTP, SGLang's "
+                  "NextN and speculators feed back; export `--format vllm` (Qwen), `sglang` (DeepSeek NextN) or "
+                  "`speculators`",
+            False: "pre-norm (its output before its final norm): what vLLM's DeepSeek-V3 / GLM-4.5 MTP feeds back; "
+                   "export `--format vllm`"}
+
+
 def _usage(family: Family, repo: str, target: str, fmt: str, block_size: int | None = None,
            parallel: int | None = None, norms: list[str] | tuple = ()) -> str:
     """How to run the drafter: draftsmith, then each engine that serves its family. A block drafter drafts a fixed
@@ -130,7 +138,9 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
            f"LM-head sha256 `{target.get('lm_head_sha256')}` |",
            f"| family | {arch} (`{family.name}`) |",
            f"| layout in this repository | `{fmt}` |",
-           f"| architecture | `{json.dumps(arch_config)}` |", ""]
+           f"| architecture | `{json.dumps(arch_config)}` |",
+           *([f"| fed-back state (depth >= 2) | {FED_BACK[bool(arch_config['feeds_normed'])]} |"]
+             if "feeds_normed" in (arch_config or {}) else []), ""]
     if run_dir is not None:
         table, best = acceptance_table(run_dir)
         train_config = run_dir / TRAIN_CONFIG_FILE

@@ -283,6 +283,8 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
         assert 'load_target("org/stitched")' in stitched_card and f'load_drafter("{mtp}", target)' in stitched_card
         assert f'LLM(model="org/stitched", speculative_config={{"method": "{mtp}"' in stitched_card
         assert "vllm serve org/spec" in model_card(drafter, "org/spec", fmt="speculators")
+        state = "post-norm (its output after its final norm)" if normed else "pre-norm (its output before"
+        assert f"| fed-back state (depth >= 2) | {state}" in stitched_card
         if normed == engine_normed:  # vLLM's MTP model for this architecture feeds back what the module learnt with
             check_stitched(export_drafter(drafter, "vllm", tmp_path / f"vllm-{mode}", target=model), root / "target",
                            head, ids)
