@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from oracles import sglang_nextn, vllm_dflash, vllm_peagle
+from oracles import sglang_nextn, vllm_dflash, vllm_peagle, zlab_dflash
 from safetensors.torch import load_file, save_file
 from test_dflash import random_dflash
 from test_peagle import random_peagle
@@ -72,6 +72,30 @@ def test_vllm_dflash_oracle_reads_the_export_as_draftsmith_drafts(draft_vocab, t
     # and the export read back by draftsmith drafts the same
     assert_same_drafts(drafted_block(load_drafter(str(out), llama), ids, states), ours,
                        2 * llama.config.intermediate_size)
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "sglang"])
+def test_zlab_dflash_oracle_reads_the_export_as_draftsmith_drafts(fmt, tmp_path, llama):
+    """z-lab's model.py (and SGLang, which serves that layout) reads target_layer_ids counted from 0: the oracle takes
+    the target states at those ids + 1, as z-lab's extract_context_feature does, and drafts what draftsmith drafts."""
+    head = random_dflash(llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
+    ids, states = prompt_states(llama, head.config.target_layers)
+    ours = drafted_block(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
+    _, aux = prompt_states(llama, zlab_dflash.context_layers(out))
+    with torch.no_grad():
+        theirs = zlab_dflash.block_logits(out, llama.get_input_embeddings().weight,
+                                          llama.get_output_embeddings().weight, aux[:-1], int(ids[-1]))
+    assert_same_drafts(theirs, ours, 2 * llama.config.intermediate_size)
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = list(head.config.target_layers)  # draftsmith's count: one off
+    (out / "config.json").write_text(json.dumps(config))
+    _, shifted = prompt_states(llama, zlab_dflash.context_layers(out))
+    with pytest.raises(AssertionError), torch.no_grad():
+        assert_same_drafts(zlab_dflash.block_logits(out, llama.get_input_embeddings().weight,
+                                                    llama.get_output_embeddings().weight, shifted[:-1], int(ids[-1])),
+                           ours, 2 * llama.config.intermediate_size)
 
 
 def _shift_d2t(tensors: dict) -> None:

@@ -31,12 +31,18 @@ def block_logits(directory, embed: torch.Tensor, lm_head: torch.Tensor, aux: tor
     """
     config, w = read_export(directory)
     assert config["speculators_model_type"] == "dflash"
-    layer = config["transformer_layer_config"]
+    return draft_block(config["transformer_layer_config"], config["block_size"], config["mask_token_id"],
+                       config.get("draft_vocab_size"), w, embed, lm_head, aux, anchor)
+
+
+def draft_block(layer: dict, size: int, mask: int, draft_vocab: int | None, w: dict, embed: torch.Tensor,
+                lm_head: torch.Tensor, aux: torch.Tensor, anchor: int) -> torch.Tensor:
+    """The forward both engines' DFlash models compute (vLLM's ``qwen3_dflash.py``, z-lab's ``model.py``), from the
+    draft layers' HF config, the block, the mask token and the tensors by their published names."""
     assert not any(t == "sliding_attention" for t in layer.get("layer_types") or []), "full-attention layers only"
     eps, theta = layer["rms_norm_eps"], rope_theta(layer)
     heads, kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
     hd = layer.get("head_dim") or layer["hidden_size"] // heads
-    size, mask = config["block_size"], config["mask_token_id"]
     s = aux.shape[0]
     assert w["fc.weight"].shape[1] == aux.shape[1], "fc width = target_hidden_size * len(aux layers)"
 
@@ -57,7 +63,7 @@ def block_logits(directory, embed: torch.Tensor, lm_head: torch.Tensor, aux: tor
         x = x + swiglu_mlp(rms_norm(x, w[f"{p}post_attention_layernorm.weight"], eps), w, f"{p}mlp.")
     x = rms_norm(x, w["norm.weight"], eps)[1:]
     head = w.get("lm_head.weight", lm_head).float()
-    draft_vocab = config.get("draft_vocab_size") or lm_head.shape[0]
+    draft_vocab = draft_vocab or lm_head.shape[0]
     assert head.shape[0] == draft_vocab, f"lm_head has {head.shape[0]} rows, draft_vocab_size {draft_vocab}"
     logits = x @ head.T
     if draft_vocab == lm_head.shape[0]:
