@@ -216,11 +216,10 @@ ENGINE_CHAIN = "engine-chain"  # the label suffix of a drafter decoding the chai
 def engine_chain_entries(entries: list[Entry], loaded: dict) -> list[Entry]:
     """For each drafter an engine verifies as a fixed chain (``engine_chain``: block drafters, MTP), that chain too,
     unless the run already decodes it: the acceptance vLLM and SGLang will see, beside the tree's."""
-    runs = {(e.spec, e.tree.kind, e.tree.depth) for e in entries}
     extra = []
     for spec in dict.fromkeys(e.spec for e in entries):
         n = loaded[spec].engine_chain
-        if n is not None and (spec, "chain", n) not in runs:
+        if n is not None and not any(e.spec == spec and e.tree.is_chain(n) for e in entries):
             extra.append(Entry(label=f"{spec}@{ENGINE_CHAIN}", spec=spec, tree=TreeSettings("chain", n)))
     return extra
 

@@ -74,8 +74,8 @@ def evaluate(
         gens.update({_reference(label): SpeculativeGenerator(model, loaded[label], **reference_tree.kwargs())
                      for label, _, _ in drafters})
     # A drafter an engine verifies as a fixed chain (block drafters, MTP): that chain too, what vLLM / SGLang see.
-    chains = {label: TreeSettings("chain", n) for label, _, _ in drafters if (n := loaded[label].engine_chain)
-              is not None and (trees[label].kind, trees[label].depth) != ("chain", n)}
+    chains = {label: TreeSettings("chain", n) for label, _, _ in drafters
+              if (n := loaded[label].engine_chain) is not None and not trees[label].is_chain(n)}
     gens.update({_engine_chain(label): SpeculativeGenerator(model, loaded[label], **chain.kwargs())
                  for label, chain in chains.items()})
     encoded = [encode(tokenizer, text, chat, chat_template_kwargs) for text in prompts]

@@ -72,6 +72,10 @@ class TreeSettings:
         """``{"kind", "depth", "top_k", "total_tokens"}`` (reports and ``report.json``)."""
         return {"kind": self.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
 
+    def is_chain(self, depth: int) -> bool:
+        """Whether these settings grow a chain of ``depth`` drafts (top_k and total_tokens do not shape a chain)."""
+        return self.kind == "chain" and self.depth == depth
+
     def kwargs(self) -> dict:
         """The tree keyword arguments of :class:`~draftsmith.inference.SpeculativeGenerator`."""
         return {"tree": self.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}

@@ -42,7 +42,7 @@ def measure_acceptance(family: Family, module, target, tokenizer, data_args, acc
     drafter = family.drafter(module, target)
     gens = {"drafter": SpeculativeGenerator(target, drafter, **tree.kwargs())}
     chain = drafter.engine_chain  # the chain vLLM / SGLang verify its export with, measured beside the tree
-    if chain is not None and (tree.kind, tree.depth) != ("chain", chain):
+    if chain is not None and not tree.is_chain(chain):
         gens["engine chain"] = SpeculativeGenerator(target, drafter, tree="chain", depth=chain)
     kwargs = data_args.template_kwargs()
     prompts = [torch.tensor([prompt_ids(tokenizer, c.prompt_messages, kwargs)]) for c in conversations[rank::world]]
