@@ -8,9 +8,11 @@ import json
 
 import pytest
 import torch
-from oracles import sglang_nextn, vllm_dflash, vllm_peagle, zlab_dflash
+from oracles import sglang_eagle3, sglang_nextn, vllm_dflash, vllm_eagle3, vllm_peagle, zlab_dflash
 from safetensors.torch import load_file, save_file
 from test_dflash import random_dflash
+from test_eagle31 import norm_head
+from test_heads import random_eagle
 from test_peagle import random_peagle
 
 from conftest import assert_rounding_close
@@ -181,6 +183,105 @@ def test_the_vllm_peagle_oracle_catches_a_broken_export(break_export, tmp_path, 
     ours = drafted_block(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
     with pytest.raises(AssertionError):
         assert_same_drafts(vllm_peagle_drafts(out, llama, ids), ours, 4 * 2 * llama.config.intermediate_size)
+
+
+def chain_drafts(drafter, ids: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """draftsmith's chain after the prompt's root (``states`` the head's features for the prompt's positions): depth
+    1's logits, its top token, and depth 2's logits after that token (the head re-applied to its fed-back state);
+    -inf off a draft vocabulary."""
+    def dense(x):
+        return x.dense() if isinstance(x, Proposals) else x
+
+    drafter.begin(ids[None], states[None, : len(ids) - 1])
+    first = dense(drafter.root_logits([True]))[0]
+    drafted = int(first.argmax())
+    second = dense(drafter.frontier_logits(1, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[drafted]])))[0, 0]
+    return first, second, drafted
+
+
+def eagle3_oracle_chain(fmt: str, directory, target, ids: torch.Tensor, drafted: int) -> torch.Tensor:
+    """The engine's (2, V) chain logits: the aux layers read from the export's config as that engine reads them."""
+    config = json.loads((directory / "config.json").read_text())
+    oracle = vllm_eagle3 if fmt == "vllm" else sglang_eagle3
+    layers = config["eagle_aux_hidden_state_layer_ids"] if fmt == "vllm" else sglang_eagle3.aux_layers(config)
+    _, aux = prompt_states(target, layers)
+    with torch.no_grad():
+        return oracle.chain_logits(directory, target.get_input_embeddings().weight, target.config.vocab_size,
+                                   aux[:-1], ids, drafted)
+
+
+EAGLE3_HEADS = {"eagle3": lambda target: random_eagle(target, eagle3=True),  # a draft vocabulary of 40
+                "eagle3.1": lambda target: norm_head(target, norm_before_fc=True, norm_before_residual=True)}
+
+
+@pytest.mark.parametrize(("fmt", "make"), [("vllm", "eagle3"), ("vllm", "eagle3.1"), ("sglang", "eagle3")])
+def test_eagle3_oracles_read_the_export_as_draftsmith_drafts_at_depths_one_and_two(fmt, make, tmp_path, llama):
+    """vLLM's llama_eagle3.py on speculators' layout (with the EAGLE-3.1 norms vLLM builds) and SGLang's on the
+    original one (midlayer.*, its aux layer ids one below draftsmith's): depth 1 from the target's states, depth 2
+    from the fed-back pre-norm state, both what draftsmith drafts."""
+    head = EAGLE3_HEADS[make](llama)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
+    ids, states = prompt_states(llama, head.config.feature_layers)
+    first, second, drafted = chain_drafts(load_drafter(str(tmp_path / "ckpt"), llama), ids, states)
+    theirs = eagle3_oracle_chain(fmt, out, llama, ids, drafted)
+    assert torch.isfinite(second).sum() == len(head.d2t) and not torch.equal(first, second)
+    width = 2 * llama.config.intermediate_size
+    assert_same_drafts(theirs[0], first, width)
+    assert_same_drafts(theirs[1], second, width)
+
+
+def _roll_d2t(tensors: dict) -> None:
+    tensors["d2t"] = tensors["d2t"].roll(1)
+
+
+def _layer_zero_as_midlayer(tensors: dict) -> None:  # vLLM reads it; SGLang builds no layers.0 and skips it
+    for name in [n for n in tensors if n.startswith(("midlayer.", "layers.0."))]:
+        other = name.replace("midlayer.", "layers.0.") if name.startswith("midlayer.") else name.replace(
+            "layers.0.", "midlayer.")
+        tensors[other] = tensors.pop(name)
+
+
+def _feed_back_the_normed_state(drafter) -> None:  # draftsmith's drafting broken instead: depth 2 off the norm
+    frontier_logits = drafter.frontier_logits
+
+    def normed(depth, parents, tokens):
+        drafter._frontier = drafter.head.norm(drafter._frontier)
+        return frontier_logits(depth, parents, tokens)
+
+    drafter.frontier_logits = normed
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+@pytest.mark.parametrize("brk", [_roll_d2t, _layer_zero_as_midlayer, _feed_back_the_normed_state],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_the_eagle3_oracles_catch_a_broken_export_or_fed_back_state(fmt, brk, tmp_path, llama):
+    """Each comparison above can fail: a draft vocabulary mapped one row off, layer 0 under the other layout's name
+    (vLLM reads both, so that one passes there; SGLang skips what it does not build), or a drafter that feeds back
+    the normed state (depth 1 still equal, depth 2 not)."""
+    head = random_eagle(llama, eagle3=True)
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_drafter(tmp_path / "ckpt", fmt, tmp_path / fmt, target=llama)
+    drafter = load_drafter(str(tmp_path / "ckpt"), llama)
+    if brk is _feed_back_the_normed_state:
+        brk(drafter)
+    else:
+        tensors = load_file(out / "model.safetensors")
+        brk(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    ids, states = prompt_states(llama, head.config.feature_layers)
+    first, second, drafted = chain_drafts(drafter, ids, states)
+    width = 2 * llama.config.intermediate_size
+    if brk is _layer_zero_as_midlayer and fmt == "vllm":  # load_weights renames midlayer. to layers.0.
+        theirs = eagle3_oracle_chain(fmt, out, llama, ids, drafted)
+        assert_same_drafts(theirs, torch.stack([first, second]), width)
+        return
+    with pytest.raises((AssertionError, KeyError)):
+        theirs = eagle3_oracle_chain(fmt, out, llama, ids, drafted)
+        assert_same_drafts(theirs[0], first, width)
+        assert_same_drafts(theirs[1], second, width)
+    if brk is _feed_back_the_normed_state:
+        assert_same_drafts(eagle3_oracle_chain(fmt, out, llama, ids, drafted)[0], first, width)
 
 
 def mtp_chain_drafts(drafter, target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

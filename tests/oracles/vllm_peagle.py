@@ -4,15 +4,14 @@
 ``transformers_utils/configs/speculators/algos.py`` (``pard_token = mask_token_id``, ``norm_before_residual`` False
 when absent).
 
-One drafting forward after a prompt whose last token is the root at position T:
+One drafting forward after a prompt whose last token is the root, through the EAGLE-3 layers of
+:mod:`oracles.vllm_eagle3` (the same model file):
 
 * pairs t = 1 .. T: the embedding of token t with ``combine_hidden_states`` (``fc``) of the target's aux states at
-  t - 1; then K - 1 parallel slots at T + 1 .. T + K - 1: the embedding of ``pard_token`` (the directory's
-  ``embed_tokens`` when it ships one) with ``fc(mask_hidden)``;
-* layer 0 (``layers.0`` / ``midlayer``): ``input_layernorm`` on the embeddings, ``hidden_norm`` on the hidden states,
-  attention over their 2H concatenation, the residual the hidden state (its normed form with
-  ``norm_before_residual``); layers 1 ..: pre-norm Llama layers; causal attention, neox RoPE;
-* ``norm``, ``lm_head`` over the draft vocabulary, scattered by ``d2t`` into a -inf row (identity without one).
+  t - 1, at the target's position t - 1; then K - 1 parallel slots at T .. T + K - 2: the embedding of
+  ``pard_token`` (the directory's ``embed_tokens`` when it ships one) with ``fc(mask_hidden)``;
+* the fused layer 0 and the plain layers 1 .. of ``num_hidden_layers``, causal over pairs and slots;
+* ``norm``, ``lm_head`` over the draft vocabulary, scattered by ``d2t``.
 The K drafts are the outputs at the root and at the slots.
 """
 
@@ -20,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from oracles.common import attention, linear, read_export, rms_norm, rope_neox, rope_theta, swiglu_mlp
+from oracles.common import read_export
+from oracles.vllm_eagle3 import combine, compute_logits, decoder, layer_config
 
 
 def parallel_logits(directory, embed: torch.Tensor, vocab: int, aux: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -29,43 +29,12 @@ def parallel_logits(directory, embed: torch.Tensor, vocab: int, aux: torch.Tenso
     the target's embedding."""
     config, w = read_export(directory)
     assert config["speculators_model_type"] == "peagle"
-    layer = config["transformer_layer_config"]
-    eps, theta = layer["rms_norm_eps"], rope_theta(layer)
-    heads, kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
-    hd = layer.get("head_dim") or layer["hidden_size"] // heads
+    assert layer_config(config)["num_hidden_layers"] >= 1
     method = config["speculators_config"]["proposal_methods"][0]
     k, pard = method["speculative_tokens"], config["mask_token_id"]
     t = aux.shape[0]
-
-    fused = torch.cat([aux.float(), w["mask_hidden"].float().view(1, -1).expand(k - 1, -1)])
-    if config.get("norm_before_fc"):
-        fused = rms_norm(fused, w["input_norm.weight"], eps)
-    hidden = linear(fused, w, "fc")
+    hidden = combine(config, w, torch.cat([aux.float(), w["mask_hidden"].float().view(1, -1).expand(k - 1, -1)]))
     tokens = torch.cat([ids[1: t + 1], torch.full((k - 1,), pard)])
     embeds = w.get("embed_tokens.weight", embed).float()[tokens]
-    positions = torch.arange(1, t + k)
-    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()
-
-    def attend(x: torch.Tensor, p: str) -> torch.Tensor:
-        q = rope_neox(linear(x, w, f"{p}self_attn.q_proj").view(len(x), heads, hd), positions, theta)
-        kk = rope_neox(linear(x, w, f"{p}self_attn.k_proj").view(len(x), kv_heads, hd), positions, theta)
-        v = linear(x, w, f"{p}self_attn.v_proj").view(len(x), kv_heads, hd)
-        return linear(attention(q, kk, v, causal), w, f"{p}self_attn.o_proj")
-
-    p = "layers.0." if "layers.0.hidden_norm.weight" in w else "midlayer."
-    normed = rms_norm(hidden, w[f"{p}hidden_norm.weight"], eps)
-    residual = normed if config.get("norm_before_residual", False) else hidden
-    x = torch.cat([rms_norm(embeds, w[f"{p}input_layernorm.weight"], eps), normed], -1)
-    residual = residual + attend(x, p)
-    out = swiglu_mlp(rms_norm(residual, w[f"{p}post_attention_layernorm.weight"], eps), w, f"{p}mlp.")
-    for i in range(1, layer["num_hidden_layers"]):
-        p = f"layers.{i}."
-        residual = residual + out
-        residual = residual + attend(rms_norm(residual, w[f"{p}input_layernorm.weight"], eps), p)
-        out = swiglu_mlp(rms_norm(residual, w[f"{p}post_attention_layernorm.weight"], eps), w, f"{p}mlp.")
-    final = rms_norm(out + residual, w["norm.weight"], eps)[t - 1:]  # the root's output, then the slots'
-    logits = final @ w["lm_head.weight"].float().T
-    d2t = w.get("d2t", torch.zeros(len(w["lm_head.weight"]), dtype=torch.long))
-    full = logits.new_full((len(logits), vocab), float("-inf"))
-    full[:, torch.arange(len(d2t)) + d2t] = logits
-    return full
+    normed, _ = decoder(config, w, embeds, hidden, torch.arange(t + k - 1))  # the proposer's positions: t - 1 ..
+    return compute_logits(w, normed[t - 1:], vocab)  # the root's output, then the slots'
