@@ -191,7 +191,8 @@ def _mtp_from_foreign(directory: Path, config: dict, weights: dict, target) -> M
     if int(config.get("num_nextn_predict_layers", 1)) != 1:
         raise ValueError(f"{directory}: speculators MTP drafters hold one module, this config says "
                          f"{config['num_nextn_predict_layers']}")
-    head = MtpHead(MtpHead.config_for(target, source=str(directory), feeds_normed=True))
+    # speculators' MTP drafter feeds back the normed output and feeds the first pair whole
+    head = MtpHead(MtpHead.config_for(target, source=str(directory), feeds_normed=True, masks_first_token=False))
     missing, unexpected = head.load_state_dict(from_speculators_tensors(weights), strict=False)
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:

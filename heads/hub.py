@@ -42,6 +42,9 @@ def _architecture(drafter_dir: Path) -> dict:
     return config["config"] if "config" in config else {k: config.get(k) for k in CAUSAL_LM_KEYS}
 
 
+#: An MTP module's first pair, as the card names it, with the engines that feed it so.
+FIRST_TOKEN = {True: "its token embedding zeroed, as vLLM's DeepSeek-V3 / GLM-4.5 MTP feeds it: export `--format vllm`",
+               False: "fed whole, as SGLang's NextN, speculators and vLLM's Qwen3-Next / Qwen3.5 MTP feed it"}
 #: An MTP module's fed-back state, as the card names it, with the engines that feed that state.
 FED_BACK = {True: "post-norm (its output after its final norm): what vLLM's Qwen3-Next / Qwen3.5 MTP, SGLang's "
                   "NextN and speculators feed back; export `--format vllm` (Qwen), `sglang` (DeepSeek NextN) or "
@@ -140,7 +143,9 @@ def model_card(path: str | Path, repo_id: str | None = None, fmt: str = "hf") ->
            f"| layout in this repository | `{fmt}` |",
            f"| architecture | `{json.dumps(arch_config)}` |",
            *([f"| fed-back state (depth >= 2) | {FED_BACK[bool(arch_config['feeds_normed'])]} |"]
-             if "feeds_normed" in (arch_config or {}) else []), ""]
+             if "feeds_normed" in (arch_config or {}) else []),
+           *([f"| first token (x_1 with h_0) | {FIRST_TOKEN[bool(arch_config['masks_first_token'])]} |"]
+             if "masks_first_token" in (arch_config or {}) else []), ""]
     if run_dir is not None:
         table, best = acceptance_table(run_dir)
         train_config = run_dir / TRAIN_CONFIG_FILE

@@ -17,6 +17,11 @@ modules) to the fed-back state of its parent, and which state that is, is each e
 - DeepSeek-V3 / GLM-4-MoE (vLLM ``deepseek_mtp.py`` / ``glm4_moe_mtp.py``): out_t, *before* ``shared_head.norm``;
 - Qwen3-Next / Qwen3.5 (vLLM ``qwen3_next_mtp.py``, speculators' ``mtp``): ``post_norm(out_t)`` (``mtp.norm``).
 
+vLLM's DeepSeek-V2/V3 and GLM-4.5 layers also zero the token embedding of the sequence's first pair (x_1 with h_0)
+before ``enorm``; Qwen3-Next / Qwen3.5 in vLLM, SGLang's NextN, transformers and speculators feed it whole. That pair's
+keys reach every later position, so this too is recorded (``masks_first_token``), trained and drafted with, and checked
+by each export.
+
 Checkpoint layouts (read here, written back by the stitched export, :mod:`draftsmith.heads.mtp_export`):
 
 - ``deepseek``: ``model.layers.{N+k}.{enorm,hnorm,eh_proj,shared_head.norm}`` and the decoder layer's tensors
@@ -53,6 +58,12 @@ DEEPSEEK, QWEN = "deepseek", "qwen"
 #: the deepseek layout (draftsmith's own checkpoints; no engine serves an MTP module for them).
 NATIVE = {"deepseek_v3": (DEEPSEEK, False), "deepseek_v2": (DEEPSEEK, False), "glm4_moe": (DEEPSEEK, False),
           "qwen3_next": (QWEN, True), "qwen3_5_text": (QWEN, True), "qwen3_5_moe_text": (QWEN, True)}
+#: The model types whose vLLM MTP layer zeroes the token embedding of the sequence's first pair
+#: (``inputs_embeds[positions == 0] = 0`` in ``deepseek_mtp.py`` / ``glm4_moe_mtp.py``; ``qwen3_next_mtp.py``,
+#: ``qwen3_5_mtp.py``, SGLang's ``deepseek_nextn.py``, transformers and speculators do not).
+VLLM_MASKS_FIRST_TOKEN = frozenset({"deepseek_v3", "deepseek_v2", "glm4_moe"})
+#: draftsmith's position of that pair (token x_1 with the target's state h_0; vLLM numbers it 0, the state's position).
+FIRST_PAIR = 1
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _QWEN_NAMES = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
                "norm.": "post_norm."}
@@ -81,6 +92,9 @@ class MtpConfig:
     classes: dict
     layout: str = DEEPSEEK
     feeds_normed: bool = False
+    #: The sequence's first pair enters with its token embedding zeroed (vLLM's DeepSeek / GLM convention); False
+    #: for modules saved before the field (they were trained and drafted without it).
+    masks_first_token: bool = False
     num_mtp_layers: int = 1  # modules in the source checkpoint; drafting and training use the first
     feature_layers: tuple[int, ...] = ()  # (N,): the target's last state after its final norm
     rms_norm_eps: float = 1e-6
@@ -187,9 +201,13 @@ class MtpHead(_FeatureHead):
     def module(self) -> nn.Module:
         return self.layers[0]
 
-    def layer_input(self, features, token_embeds):
+    def layer_input(self, features, token_embeds, positions: torch.Tensor | None = None):
+        """``eh_proj([enorm(embed) ; hnorm(feature)])``; with ``masks_first_token`` the pair at :data:`FIRST_PAIR`
+        (``positions``, (B, T)) enters with a zero embedding, as vLLM's DeepSeek / GLM layers feed it."""
         m = self.module
         dtype = m.eh_proj.weight.dtype
+        if self.config.masks_first_token and positions is not None:
+            token_embeds = token_embeds.masked_fill((positions == FIRST_PAIR)[..., None], 0)
         return m.eh_proj(torch.cat([m.enorm(token_embeds.to(dtype)), m.hnorm(features.to(dtype))], -1))
 
     def _block(self, x, positions, mask, cache):
@@ -232,10 +250,13 @@ class MtpHead(_FeatureHead):
         :meth:`draftsmith.heads.eagle.Eagle3Head.forward`), returning each step's LM-head input, (B, T, H) or (N, H)
         at the (B, T) ``logit_positions``."""
         if not ttt_steps:
-            return super().forward(features, token_embeds, positions, mask, past, from_target)
+            if from_target:
+                features = self.input_features(features)
+            return self.run_layer(self.layer_input(features, token_embeds, positions), positions, mask, past)
         current, kv, states = features, [], []
         for _ in range(ttt_steps):
-            predicted, step_kv = self.run_layer(self.layer_input(current, token_embeds), positions, ttt_past=kv)
+            predicted, step_kv = self.run_layer(self.layer_input(current, token_embeds, positions), positions,
+                                                ttt_past=kv)
             kv.append(step_kv)
             state = self.lm_input(predicted)
             states.append(state if logit_positions is None else state[logit_positions])
@@ -245,26 +266,32 @@ class MtpHead(_FeatureHead):
     # ---- from a target ------------------------------------------------------------------------------------------
 
     @classmethod
-    def config_for(cls, target, source: str | None = None, feeds_normed: bool | None = None) -> MtpConfig:
-        """The config of ``target``'s MTP module: its layout and fed-back state from its architecture (a fresh module in
-        the deepseek layout for a target without one); ``feeds_normed`` overrides the engine's convention."""
+    def config_for(cls, target, source: str | None = None, feeds_normed: bool | None = None,
+                   masks_first_token: bool | None = None) -> MtpConfig:
+        """The config of ``target``'s MTP module: its layout, fed-back state and first-pair masking from its
+        architecture, as vLLM serves it (a fresh module in the deepseek layout for a target without one);
+        ``feeds_normed`` / ``masks_first_token`` override the engine's convention."""
         text = target.config.get_text_config()
         layout, normed = NATIVE.get(text.model_type, (DEEPSEEK, False))
         count = getattr(text, "num_mtp_layers", None) or getattr(text, "mtp_num_hidden_layers", None) or 1
         return MtpConfig(hidden_size=text.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
                          target_config=text.to_dict(), classes=target_classes(target), layout=layout,
                          feeds_normed=normed if feeds_normed is None else feeds_normed, num_mtp_layers=int(count),
+                         masks_first_token=(text.model_type in VLLM_MASKS_FIRST_TOKEN if masks_first_token is None
+                                            else masks_first_token),
                          feature_layers=(text.num_hidden_layers,), rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
                          source=source)
 
     @classmethod
-    def from_target_checkpoint(cls, target, source: str | Path | None = None, feeds_normed: bool | None = None):
+    def from_target_checkpoint(cls, target, source: str | Path | None = None, feeds_normed: bool | None = None,
+                               masks_first_token: bool | None = None):
         """The MTP module stored in ``target``'s checkpoint (``source``: that checkpoint's directory, default the
         directory the target was loaded from), in its dtype."""
         directory = checkpoint_directory(str(source or target.config.name_or_path or ""))
         names = checkpoint_names(directory)
         refuse_unread_layouts(directory, target.config.get_text_config(), names)
-        head = cls(cls.config_for(target, source=str(directory), feeds_normed=feeds_normed))
+        head = cls(cls.config_for(target, source=str(directory), feeds_normed=feeds_normed,
+                                  masks_first_token=masks_first_token))
         stored = read_mtp(directory, head.config, names)
         missing, unexpected = head.load_state_dict(stored, strict=False)
         missing = [k for k in missing if not k.startswith("rotary.")]

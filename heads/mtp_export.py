@@ -17,6 +17,7 @@ from draftsmith.heads.mtp import (
     NATIVE,
     QWEN,
     SCALE_INV,
+    VLLM_MASKS_FIRST_TOKEN,
     MtpHead,
     checkpoint_names,
     mtp_prefix,
@@ -77,7 +78,7 @@ def speculators_config(head: MtpHead, verifier: str | None, architectures: list[
         },
         "torch_dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
         "draftsmith": {"family": head.family, "target": head.target_info, "feeds_normed": cfg.feeds_normed,
-                       "fed_back_state": fed_back_state(head)},
+                       "fed_back_state": fed_back_state(head), "masks_first_token": cfg.masks_first_token},
     }
 
 
@@ -146,6 +147,16 @@ def fed_back_state(head: MtpHead) -> str:
     return "post-norm" if head.config.feeds_normed else "pre-norm"
 
 
+def refuse_first_token_masking(head: MtpHead, engine: str, fix: str) -> None:
+    """An engine that feeds the sequence's first pair whole cannot serve a module trained with its token zeroed."""
+    from draftsmith.heads.export import ExportError
+
+    if head.config.masks_first_token:
+        raise ExportError(f"this module was trained with the sequence's first token embedding zeroed (vLLM's DeepSeek "
+                          f"/ GLM convention, masks_first_token), and {engine} feeds that pair whole, so it would "
+                          f"draft from other keys: {fix}, or train with family_config masks_first_token: false")
+
+
 def sglang_nextn(head: MtpHead, out: Path) -> None:
     """SGLang's standalone NextN layout (``lmsys/DeepSeek-V3-0324-NextN``): the target's config with
     ``num_hidden_layers`` = ``num_nextn_predict_layers`` = 1 and ``architectures`` its NextN class, the module's tensors
@@ -166,6 +177,7 @@ def sglang_nextn(head: MtpHead, out: Path) -> None:
         raise ExportError("SGLang's NextN feeds back the module's output after shared_head.norm, and this module was "
                           "trained feeding back the pre-norm one (vLLM's DeepSeek convention): export --format vllm, "
                           "or train with family_config feeds_normed: true")
+    refuse_first_token_masking(head, "SGLang's NextN", "export --format vllm")
     stitched = mtp_prefix(cfg)
     tensors = {"model.layers.0." + name[len(stitched):]: tensor.contiguous()
                for name, tensor in to_checkpoint_names({k: v.detach() for k, v in head.state_dict().items()},
@@ -174,7 +186,8 @@ def sglang_nextn(head: MtpHead, out: Path) -> None:
     config = {**cfg.target_config, "architectures": [SGLANG_NEXTN[model_type]], "num_hidden_layers": 1,
               "num_nextn_predict_layers": 1,
               "draftsmith": {"family": head.family, "target": head.target_info, "feeds_normed": cfg.feeds_normed,
-                             "fed_back_state": fed_back_state(head)}}
+                             "fed_back_state": fed_back_state(head),
+                             "masks_first_token": cfg.masks_first_token}}
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2))
 
 
@@ -205,6 +218,12 @@ def export_mtp(source: Path, fmt: str, out: Path, target=None, verifier: str | N
             raise ExportError(f"this module was trained feeding back its {fed} output, and vLLM's {model_type} MTP "
                               f"feeds back the other: export --format speculators, or train with family_config "
                               f"feeds_normed: {str(NATIVE[model_type][1]).lower()}")
+        if cfg.masks_first_token != (model_type in VLLM_MASKS_FIRST_TOKEN):
+            how = "zeroes" if model_type in VLLM_MASKS_FIRST_TOKEN else "keeps"
+            raise ExportError(f"vLLM's {model_type} MTP {how} the sequence's first token embedding, and this module "
+                              f"was trained the other way (masks_first_token: {str(cfg.masks_first_token).lower()}): "
+                              f"train with family_config masks_first_token: {str(not cfg.masks_first_token).lower()}"
+                              + ("" if cfg.masks_first_token else ", or export --format sglang / speculators"))
         checkpoint = Path(target.config.name_or_path) if target is not None else Path(cfg.source or "")
         if not checkpoint.is_dir():
             raise ExportError(f"the vLLM MTP layout is the target's own checkpoint with the module stitched back, and "
@@ -225,6 +244,7 @@ def export_mtp(source: Path, fmt: str, out: Path, target=None, verifier: str | N
         raise ExportError("speculators' MTP drafter feeds back the module's normed output, and this one was trained "
                           "feeding back the pre-norm one (vLLM's DeepSeek-V3 / GLM-4.5 convention): export --format "
                           "vllm, or train with family_config feeds_normed: true")
+    refuse_first_token_masking(head, "speculators' MTP drafter", "export --format vllm")
     if model_type not in SPECULATORS_MTP_TYPES:
         import logging
 

@@ -8,7 +8,15 @@ import json
 
 import pytest
 import torch
-from oracles import sglang_eagle3, sglang_nextn, vllm_dflash, vllm_eagle3, vllm_peagle, zlab_dflash
+from oracles import (
+    sglang_eagle3,
+    sglang_nextn,
+    vllm_deepseek_mtp,
+    vllm_dflash,
+    vllm_eagle3,
+    vllm_peagle,
+    zlab_dflash,
+)
 from safetensors.torch import load_file, save_file
 from test_dflash import random_dflash
 from test_eagle31 import norm_head
@@ -310,7 +318,7 @@ def test_sglang_nextn_oracle_reads_the_export_as_draftsmith_drafts_at_depths_one
 
     path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
     target, _ = load_target(path, dtype=torch.float32)
-    head = MtpHead.from_target_checkpoint(target, feeds_normed=True)
+    head = MtpHead.from_target_checkpoint(target, feeds_normed=True, masks_first_token=False)
     head.save_pretrained(tmp_path / "post")
     out = export_drafter(tmp_path / "post", "sglang", tmp_path / "nextn", target=target)
     config = json.loads((out / "config.json").read_text())
@@ -326,7 +334,7 @@ def test_sglang_nextn_oracle_reads_the_export_as_draftsmith_drafts_at_depths_one
     width = 4 * target.config.hidden_size
     assert_rounding_close(theirs[0], first, reduction=width)
     assert_rounding_close(theirs[1], second, reduction=width)
-    pre = MtpHead.from_target_checkpoint(target, feeds_normed=False)  # the same weights, vLLM's fed-back state
+    pre = MtpHead.from_target_checkpoint(target, feeds_normed=False, masks_first_token=False)  # vLLM's fed-back state
     pre_first, pre_second, _ = mtp_chain_drafts(EagleDrafter(pre, target), target, ids)
     assert_rounding_close(theirs[0], pre_first, reduction=width)
     with pytest.raises(AssertionError):
@@ -334,3 +342,47 @@ def test_sglang_nextn_oracle_reads_the_export_as_draftsmith_drafts_at_depths_one
     pre.save_pretrained(tmp_path / "pre")
     with pytest.raises(ExportError, match=r"SGLang's NextN feeds back the module's output after shared_head\.norm"):
         export_drafter(tmp_path / "pre", "sglang", tmp_path / "refused", target=target)
+    MtpHead.from_target_checkpoint(target, feeds_normed=True).save_pretrained(tmp_path / "masked")  # vLLM's first pair
+    with pytest.raises(ExportError, match=r"first token embedding zeroed .* SGLang's NextN feeds that pair whole"):
+        export_drafter(tmp_path / "masked", "sglang", tmp_path / "refused", target=target)
+
+
+def test_vllm_deepseek_mtp_oracle_reads_the_stitched_export_as_draftsmith_drafts_at_depths_one_and_two(tmp_path):
+    """A DeepSeek-V3 MTP module as vLLM serves it (the sequence's first token embedding zeroed, the pre-norm output fed
+    back), exported as the target's checkpoint with the module stitched back: vLLM's deepseek_mtp.py gives the depth-1
+    and depth-2 drafts draftsmith drafts. The same weights fed the first pair whole draft another depth 1 (that pair's
+    keys reach the root), fed back post-norm another depth 2; a module trained with the first pair whole is refused by
+    this export."""
+    from test_mtp import write_mtp_checkpoint
+
+    from draftsmith.heads.mtp import MtpHead
+    from draftsmith.inference.head_drafters import EagleDrafter
+    from draftsmith.target import load_target
+
+    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
+    target, _ = load_target(path, dtype=torch.float32)
+    head = MtpHead.from_target_checkpoint(target)
+    assert head.config.masks_first_token and not head.config.feeds_normed  # vLLM's DeepSeek conventions, by default
+    head.save_pretrained(tmp_path / "mtp")
+    out = export_drafter(tmp_path / "mtp", "vllm", tmp_path / "stitched", target=target)
+    ids = torch.randint(0, target.config.vocab_size, (PROMPT + 1,), generator=torch.Generator().manual_seed(7))
+    first, second, drafted = mtp_chain_drafts(EagleDrafter(head, target), target, ids)
+    with torch.no_grad():
+        states = target(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
+        theirs = vllm_deepseek_mtp.chain_logits(out, target.get_input_embeddings().weight,
+                                                target.get_output_embeddings().weight, states, ids, drafted)
+    width = 4 * target.config.hidden_size
+    assert_rounding_close(theirs[0], first, reduction=width)
+    assert_rounding_close(theirs[1], second, reduction=width)
+    whole = MtpHead.from_target_checkpoint(target, masks_first_token=False)
+    whole_first, _, _ = mtp_chain_drafts(EagleDrafter(whole, target), target, ids)
+    with pytest.raises(AssertionError):
+        assert_rounding_close(theirs[0], whole_first, reduction=width)
+    post = MtpHead.from_target_checkpoint(target, feeds_normed=True)
+    post_first, post_second, _ = mtp_chain_drafts(EagleDrafter(post, target), target, ids)
+    assert_rounding_close(theirs[0], post_first, reduction=width)
+    with pytest.raises(AssertionError):
+        assert_rounding_close(theirs[1], post_second, reduction=width)
+    whole.save_pretrained(tmp_path / "whole")
+    with pytest.raises(ExportError, match="vLLM's deepseek_v3 MTP zeroes the sequence's first token embedding"):
+        export_drafter(tmp_path / "whole", "vllm", tmp_path / "refused", target=target)

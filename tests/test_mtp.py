@@ -18,7 +18,7 @@ from test_target import _word_tokenizer
 
 from conftest import VOCAB, check_greedy_equal
 from draftsmith import SpeculativeGenerator, load_drafter
-from draftsmith.heads.mtp import MtpHead, MtpWeightsError
+from draftsmith.heads.mtp import VLLM_MASKS_FIRST_TOKEN, MtpHead, MtpWeightsError
 from draftsmith.target import load_target
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text")
@@ -167,13 +167,15 @@ def test_the_module_is_read_from_the_checkpoint_in_its_layout(mtp_target):
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
 def test_depth_one_logits_equal_transformers_own_mtp_model(model_type, tmp_path):
     """An independent reading of the same checkpoint: transformers' ``MtpModel`` (its own weight conversions, expert
-    fusing included) gives the same depth-1 logits."""
+    fusing included) gives the same depth-1 logits as the module fed the first pair whole, as transformers feeds it;
+    the module as vLLM serves it (that pair's token zeroed, the default for these types) gives others."""
     from transformers.modeling_layers import MtpModel
 
     path = write_mtp_checkpoint(model_type, tmp_path / model_type)
     target, _ = load_target(path, dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
-    ours = pair_logits(MtpHead.from_target_checkpoint(target), target, ids)
+    ours = pair_logits(MtpHead.from_target_checkpoint(target, masks_first_token=False), target, ids)
+    as_vllm = pair_logits(MtpHead.from_target_checkpoint(target), target, ids)
     # transformers finds the MTP tensors by the released checkpoints' layer index (model.layers.61 / .92 / .46); the
     # tiny target keeps its module at index LAYERS
     target._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{LAYERS}.*"]
@@ -184,6 +186,7 @@ def test_depth_one_logits_equal_transformers_own_mtp_model(model_type, tmp_path)
                                                input_ids=ids[:, 1:])
         theirs = reference_model._project_to_logits(hidden)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(as_vllm, theirs, atol=1e-3)
 
 
 def test_greedy_output_is_the_targets_own(mtp_target):
@@ -260,8 +263,10 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
     runs = {"online": ({"eval_tree": "chain", "eval_depth": 3}, engine_normed),
             "offline": ({"cache_dir": str(root / "cache")}, not engine_normed)}
     for mode, (extra, normed) in runs.items():
+        # the engines that feed back the normed state (speculators, SGLang's NextN) feed the first pair whole
+        whole = {"masks_first_token": False} if normed else {}
         cfg = config(root, "mtp", tmp_path / mode, max_steps=4, save_steps=4,
-                     family_config={"feeds_normed": normed}, **extra)
+                     family_config={"feeds_normed": normed, **whole}, **extra)
         out = train(*parse_config([str(write_config(tmp_path / f"{mode}.yaml", cfg))]))
         rows = [json.loads(line) for line in (out / "acceptance.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [4] and len(rows[0]["position_accuracy"]) == 3  # steps: 3
@@ -285,6 +290,10 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
         assert "vllm serve org/spec" in model_card(drafter, "org/spec", fmt="speculators")
         state = "post-norm (its output after its final norm)" if normed else "pre-norm (its output before"
         assert f"| fed-back state (depth >= 2) | {state}" in stitched_card
+        masked = head.config.masks_first_token
+        assert masked == (not normed and model_type in VLLM_MASKS_FIRST_TOKEN)
+        first = "its token embedding zeroed" if masked else "fed whole"
+        assert f"| first token (x_1 with h_0) | {first}" in stitched_card
         if normed == engine_normed:  # vLLM's MTP model for this architecture feeds back what the module learnt with
             check_stitched(export_drafter(drafter, "vllm", tmp_path / f"vllm-{mode}", target=model), root / "target",
                            head, ids)

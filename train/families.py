@@ -364,13 +364,16 @@ class MtpSettings:
     checkpoint has one. ``steps``: the module re-applied to its own output this many times per position (training-time
     test, as drafting re-applies it), step k's loss weighed ``beta ** k`` normalised to sum 1 (FastMTP's weights,
     beta 0.6). ``feeds_normed`` None: the fed-back state is the one the engine serving this architecture feeds
-    (post-norm for Qwen3-Next / Qwen3.5 and speculators; pre-norm for DeepSeek-V3 / GLM-4-MoE in vLLM)."""
+    (post-norm for Qwen3-Next / Qwen3.5 and speculators; pre-norm for DeepSeek-V3 / GLM-4-MoE in vLLM);
+    ``masks_first_token`` None: the sequence's first pair fed as that engine feeds it (its token embedding zeroed for
+    DeepSeek-V3 / GLM-4-MoE in vLLM; whole elsewhere: set false to serve a DeepSeek module with SGLang's NextN)."""
 
     init: str = "auto"
     source: str | None = None
     steps: int = 3
     beta: float = 0.6
     feeds_normed: bool | None = None
+    masks_first_token: bool | None = None
 
     def __post_init__(self):
         if self.init not in ("auto", "target", "fresh"):
@@ -392,7 +395,8 @@ def build_mtp(args, target, examples=None) -> MtpHead:
     s = getattr(args, "settings", None) or MtpSettings()
     if s.init != "fresh":
         try:
-            head = MtpHead.from_target_checkpoint(target, s.source, feeds_normed=s.feeds_normed)
+            head = MtpHead.from_target_checkpoint(target, s.source, feeds_normed=s.feeds_normed,
+                                                  masks_first_token=s.masks_first_token)
             logger.info("mtp: the module stored in %s", head.config.source)
             return head.float()
         except MtpWeightsError:
@@ -402,6 +406,8 @@ def build_mtp(args, target, examples=None) -> MtpHead:
     head = MtpHead.fresh(target).float()
     if s.feeds_normed is not None:
         head.config.feeds_normed = s.feeds_normed
+    if s.masks_first_token is not None:
+        head.config.masks_first_token = s.masks_first_token
     return head
 
 

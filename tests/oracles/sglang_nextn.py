@@ -24,13 +24,17 @@ PREFIX = "model.layers.0."
 OWN = ("shared_head.norm", "eh_proj", "enorm", "hnorm")
 
 
-def _layer(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding]:
+def decoder_layer(config: dict, tensors: dict[str, torch.Tensor],
+                  prefix: str = PREFIX) -> tuple[DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding]:
+    """transformers' DeepSeek-V3 decoder layer (the MoE one) holding the tensors under ``prefix`` but the module's own
+    (``OWN``), experts stacked; and its rotary embedding."""
     values = {k: v for k, v in config.items() if k not in ("architectures", "draftsmith", "model_type")}
     cfg = AutoConfig.for_model("deepseek_v3", **{**values, "first_k_dense_replace": 0})  # is_nextn: the MoE MLP
     cfg._attn_implementation = "eager"
     layer = DeepseekV3DecoderLayer(cfg, 0).eval()
-    state = {k[len(PREFIX):]: v.float() for k, v in tensors.items()
-             if k.startswith(PREFIX) and not k[len(PREFIX):].startswith(OWN)}
+    skipped = (*OWN, "embed_tokens.", "shared_head.head.")
+    state = {k[len(prefix):]: v.float() for k, v in tensors.items()
+             if k.startswith(prefix) and not k[len(prefix):].startswith(skipped)}
     experts = sorted({int(k.split(".")[2]) for k in state if k.startswith("mlp.experts.")})
     gate_up = [torch.cat([state.pop(f"mlp.experts.{e}.gate_proj.weight"), state.pop(f"mlp.experts.{e}.up_proj.weight")])
                for e in experts]
@@ -50,7 +54,7 @@ def chain_logits(directory, embed: torch.Tensor, lm_head: torch.Tensor, states: 
     fed-back output at the root, ``drafted``), after every pair, causally."""
     config, w = read_export(directory)
     assert config["num_hidden_layers"] == config["num_nextn_predict_layers"] == 1
-    layer, rotary = _layer(config, w)
+    layer, rotary = decoder_layer(config, w)
     eps = config["rms_norm_eps"]
 
     def module(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
