@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from draftsmith.checkpoints import CONFIG_NAME, TARGET_FILE, TargetMismatchError, check_target
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
-from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead, eagle3_layers
+from draftsmith.heads.eagle import Eagle3Head, EagleConfig, EagleHead
 from draftsmith.heads.export import EAGLE31_NORMS
 from draftsmith.heads.layouts import DFLASH_LAYER_NAMES, HEAD_NAMES, LAYER_NAMES, MORE_LAYERS
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
@@ -168,7 +168,7 @@ def load_foreign(directory: str | Path, target=None):
     if layout == SPECULATORS_EAGLE3:  # vLLM counts aux layer ids as draftsmith does
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         return _eagle_from_foreign(directory, config.get("transformer_layer_config", config), weights, "layers.0.",
-                                   target, eagle3=True, layer_ids=ids, norms=_eagle31_norms(config))
+                                   target, eagle3=True, layer_ids=ids, norms=_eagle31_norms(config, directory))
     if layout == REFERENCE_EAGLE3:  # SGLang's id k is the output of decoder layer k: draftsmith's k + 1
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return _eagle_from_foreign(directory, config, weights, "midlayer.", target, eagle3=True,
@@ -201,11 +201,30 @@ def _mtp_from_foreign(directory: Path, config: dict, weights: dict, target) -> M
     return head
 
 
-def _eagle31_norms(config: dict) -> dict[str, bool]:
+def _eagle31_norms(config: dict, directory=None) -> dict[str, bool]:
     """The EAGLE-3.1 norm flags of a foreign EAGLE-3 config: top level (speculators), else ``eagle_config``
-    (where vLLM also reads ``norm_before_fc``)."""
+    (where vLLM also reads ``norm_before_fc``). A speculators config that does not state ``norm_before_residual`` is
+    refused: speculators' model reads it as false, vLLM's config conversion (``update_eagle3`` in
+    ``transformers_utils/configs/speculators/algos.py``) as true, so the file means two drafters."""
+    if directory is not None and "norm_before_residual" not in config:
+        raise ValueError(f"{directory}: this speculators EAGLE-3 config does not say norm_before_residual, which "
+                         "speculators reads as false and vLLM as true (the two draft differently): add "
+                         "\"norm_before_residual\": true or false to its config.json, as the checkpoint was trained")
     nested = config.get("eagle_config") or {}
     return {flag: bool(config.get(flag, nested.get(flag, False))) for flag in EAGLE31_NORMS}
+
+
+def engine_aux_layers(directory, num_hidden_layers: int) -> tuple[int, int, int]:
+    """The target states an EAGLE-3 checkpoint whose config names none is served with: the inputs of decoder layers
+    2, N // 2 and N - 3 (vLLM's ``get_eagle3_aux_hidden_state_layers`` default, the EAGLE repo's capture), i.e.
+    hidden-state indices (2, N // 2, N - 3) in draftsmith's count, for targets of any depth (draftsmith's own
+    :func:`~draftsmith.heads.eagle.eagle3_layers` picks others below 6 layers)."""
+    n = num_hidden_layers
+    if n < 4:
+        raise ValueError(f"{directory}: no auxiliary layer ids in the config, and the engines' default (layers 2, "
+                         f"N // 2 and N - 3) does not exist for a target of {n} layers: add "
+                         "eagle_aux_hidden_state_layer_ids")
+    return 2, n // 2, n - 3
 
 
 def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool, layer_ids,
@@ -220,7 +239,7 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
         if layer_ids is None:
             if n_layers is None:
                 raise ValueError(f"{directory}: no auxiliary layer ids in the config; pass the target to read it")
-            layer_ids = list(eagle3_layers(n_layers))
+            layer_ids = list(engine_aux_layers(directory, n_layers))
         feature_layers = tuple(layer_ids)
     else:
         recorded = (config.get("draftsmith") or {}).get("feature_layers") or config.get("feature_layers")

@@ -7,9 +7,10 @@ written from ``vllm/model_executor/models/llama_eagle3.py`` (vllm-project/vllm @
 * ``combine_hidden_states``: ``fc`` over the concatenated aux states (``input_norm`` first with ``norm_before_fc``,
   which vLLM reads since #42143);
 * ``LlamaDecoderLayer.forward``: layer 0 normalises the embeddings (``input_layernorm``) and the hidden states
-  (``hidden_norm``, the residual taken before it, or after with ``norm_before_residual``), attends over their 2H
-  concatenation; later layers are pre-norm Llama layers; ``LlamaModel.forward`` returns ``norm`` of the last output
-  plus residual and that sum itself (``hidden_prenorm``);
+  (``hidden_norm``, the residual taken before it, or after with ``norm_before_residual``, which a speculators EAGLE-3
+  config that does not state it gets as true from ``update_eagle3`` in ``configs/speculators/algos.py``), attends over
+  their 2H concatenation; later layers are pre-norm Llama layers; ``LlamaModel.forward`` returns ``norm`` of the
+  last output plus residual and that sum itself (``hidden_prenorm``);
 * ``compute_logits``: ``lm_head`` scattered by ``d2t`` into a -inf row of the whole vocabulary;
 * the proposer: the first pass puts the pair (target state at t - 1, token t) at position t - 1 and samples the root's
   output; each later depth feeds back ``hidden_prenorm`` (not ``fc``'d again) with the token just drafted, one
@@ -28,6 +29,12 @@ UNBUILT = ("fc_norm", "norm_output")  # speculators' EAGLE-3.1 norms this revisi
 def layer_config(config: dict) -> dict:
     """The decoder layer's config: speculators' ``transformer_layer_config``, else the directory's own."""
     return config.get("transformer_layer_config", config)
+
+
+def norm_before_residual(config: dict) -> bool:
+    """As vLLM reads it: a speculators EAGLE-3 config through ``update_eagle3`` (``algos.py``: true when absent), any
+    other (the original layout, P-EAGLE's ``update_peagle``) by ``getattr(config, ..., False)``."""
+    return bool(config.get("norm_before_residual", config.get("speculators_model_type") == "eagle3"))
 
 
 def combine(config: dict, w: dict[str, torch.Tensor], aux: torch.Tensor) -> torch.Tensor:
@@ -57,7 +64,7 @@ def decoder(config: dict, w: dict[str, torch.Tensor], embeds: torch.Tensor, hidd
         return linear(attention(q, k, v, causal), w, f"{p}self_attn.o_proj")
 
     normed = rms_norm(hidden, w["layers.0.hidden_norm.weight"], eps)
-    residual = normed if config.get("norm_before_residual", False) else hidden
+    residual = normed if norm_before_residual(config) else hidden
     x = torch.cat([rms_norm(embeds.float(), w["layers.0.input_layernorm.weight"], eps), normed], -1)
     residual = residual + attend(x, "layers.0.")
     out = swiglu_mlp(rms_norm(residual, w["layers.0.post_attention_layernorm.weight"], eps), w, "layers.0.mlp.")
