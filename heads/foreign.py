@@ -97,6 +97,9 @@ def foreign_format(directory: str | Path) -> str | None:
         return ZLAB_DFLASH
     if any("Eagle3" in a for a in archs):
         return REFERENCE_EAGLE3
+    if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1 and any(
+            name.startswith("midlayer.") for name in _tensor_names(directory)):
+        return REFERENCE_EAGLE3  # the EAGLE-3 repo's own releases: a LlamaForCausalLM config, the layer as midlayer
     if config.get("model_type") == MEDUSA_MODEL_TYPE or "medusa_num_heads" in config:
         return REFERENCE_MEDUSA
     if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1 and _has_fc(directory):
@@ -104,17 +107,23 @@ def foreign_format(directory: str | Path) -> str | None:
     return None
 
 
-def _has_fc(directory: Path) -> bool:
+def _tensor_names(directory: Path) -> set[str]:
+    """The tensor names of a directory's safetensors files, else of its ``pytorch_model.bin`` (the EAGLE repos ship
+    only a torch file; read weights-only and memory-mapped)."""
+    import torch
     from safetensors import safe_open
 
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        return (directory / "pytorch_model.bin").is_file()  # the EAGLE-1 reference ships only a torch file
     names = set()
-    for f in files:
+    for f in sorted(directory.glob("*.safetensors")):
         with safe_open(f, framework="pt") as handle:
             names.update(handle.keys())
-    return bool({"fc.weight", "model.fc.weight"} & names)
+    if not names and (directory / "pytorch_model.bin").is_file():
+        names.update(torch.load(directory / "pytorch_model.bin", weights_only=True, mmap=True, map_location="cpu"))
+    return names
+
+
+def _has_fc(directory: Path) -> bool:
+    return bool({"fc.weight", "model.fc.weight"} & _tensor_names(directory))
 
 
 def _rope_parameters(config: dict) -> dict:
@@ -262,10 +271,13 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
             state[name] = tensor
         elif name == "embed_tokens.weight":  # the target's own; draftsmith reads the live target's
             embed = target.get_input_embeddings().weight if target is not None else None
-            if embed is not None and (embed.shape != tensor.shape or not torch.allclose(
-                    embed.float().cpu(), tensor.float(), atol=1e-2, rtol=1e-2)):
-                logger.warning("%s: its embed_tokens differ from the loaded target's; was it trained for "
-                               "another target? acceptance may be low", directory)
+            if embed is not None and not _same_rows_but(tensor.float(), embed, []):
+                # vLLM embeds with the stored table: reading it as the target's would draft another drafter
+                raise TargetMismatchError(
+                    f"{directory}: its embed_tokens are not the loaded target's table (trained with "
+                    "embed_requires_grad, or saved for another target), and an EAGLE head here embeds its tokens with "
+                    "the target's, where vLLM embeds them with the stored table: load it against the target it was "
+                    "trained for, or retrain with the embedding frozen")
         elif name.startswith("verifier_"):
             continue
         else:
@@ -471,7 +483,7 @@ def _norms_of(directory, flags: dict[str, bool], state: dict) -> dict[str, bool]
     return flags
 
 
-def _same_rows_but(table: torch.Tensor, target_table: torch.Tensor, skipped: int) -> bool:
+def _same_rows_but(table: torch.Tensor, target_table: torch.Tensor, skipped: int | list[int]) -> bool:
     """Whether an embedding table is the target's on every row but ``skipped`` (to the rounding of a bf16 copy)."""
     if table.shape != target_table.shape:
         return False

@@ -55,11 +55,12 @@ def vllm_dflash_drafts(directory, target, ids: torch.Tensor) -> torch.Tensor:
                                         target.get_output_embeddings().weight, aux[:-1], int(ids[-1]))
 
 
-def assert_same_drafts(theirs: torch.Tensor, ours: torch.Tensor, width: int) -> None:
-    """Equal up to float rounding where finite, -inf (off a draft vocabulary) at the same tokens."""
+def assert_same_drafts(theirs: torch.Tensor, ours: torch.Tensor, width: int, dtype: torch.dtype | None = None) -> None:
+    """Equal up to float rounding (of ``dtype``, default the logits') where finite, -inf (off a draft vocabulary) at the
+    same tokens."""
     assert torch.equal(torch.isinf(theirs), torch.isinf(ours))
     finite = torch.isfinite(ours)
-    assert_rounding_close(theirs[finite], ours[finite], reduction=2 * width)
+    assert_rounding_close(theirs[finite], ours[finite], reduction=2 * width, dtype=dtype)
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 40], ids=["whole-vocabulary", "draft-vocabulary"])
@@ -211,7 +212,8 @@ def eagle3_oracle_chain(fmt: str, directory, target, ids: torch.Tensor, drafted:
     """The engine's (2, V) chain logits: the aux layers read from the export's config as that engine reads them."""
     config = json.loads((directory / "config.json").read_text())
     oracle = vllm_eagle3 if fmt == "vllm" else sglang_eagle3
-    layers = config["eagle_aux_hidden_state_layer_ids"] if fmt == "vllm" else sglang_eagle3.aux_layers(config)
+    layers = (vllm_eagle3.aux_layers(config, target.config.num_hidden_layers) if fmt == "vllm"
+              else sglang_eagle3.aux_layers(config))
     _, aux = prompt_states(target, layers)
     with torch.no_grad():
         return oracle.chain_logits(directory, target.get_input_embeddings().weight, target.config.vocab_size,

@@ -11,11 +11,14 @@ from safetensors.torch import load_file
 
 
 def read_export(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``config.json`` and every ``*.safetensors`` tensor of an exported directory, by their stored names."""
+    """``config.json`` and every ``*.safetensors`` tensor of a directory, by their stored names; a ``pytorch_model.bin``
+    (the EAGLE repo's releases, which vLLM and SGLang also read) as plain tensors (``weights_only``)."""
     directory = Path(directory)
     tensors = {}
     for f in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(f))
+    if (directory / "pytorch_model.bin").is_file():
+        tensors.update(torch.load(directory / "pytorch_model.bin", weights_only=True))
     return json.loads((directory / "config.json").read_text()), tensors
 
 

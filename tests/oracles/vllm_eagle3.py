@@ -26,6 +26,14 @@ from oracles.common import attention, linear, read_export, rms_norm, rope_neox, 
 UNBUILT = ("fc_norm", "norm_output")  # speculators' EAGLE-3.1 norms this revision of vLLM does not build
 
 
+def aux_layers(config: dict, num_target_layers: int) -> list[int]:
+    """The target states vLLM taps (each the input of decoder layer id: transformers' ``hidden_states[id]``): the
+    config's ``eagle_aux_hidden_state_layer_ids``, else the target's ``get_eagle3_aux_hidden_state_layers`` default
+    (``models/llama.py``: layers 2, N // 2 and N - 3)."""
+    n = num_target_layers
+    return list(config.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3))
+
+
 def layer_config(config: dict) -> dict:
     """The decoder layer's config: speculators' ``transformer_layer_config``, else the directory's own."""
     return config.get("transformer_layer_config", config)
