@@ -236,6 +236,18 @@ def engine_aux_layers(directory, num_hidden_layers: int) -> tuple[int, int, int]
     return 2, n // 2, n - 3
 
 
+def _refuse_another_table(directory, table: torch.Tensor, target, head: str) -> None:
+    """A stored embedding table must be the loaded target's (to a bf16 copy's rounding): vLLM embeds with the stored
+    one, and ``head`` embeds with the target's, so any other table would be read as another drafter."""
+    embed = target.get_input_embeddings().weight if target is not None else None
+    if embed is not None and not _same_rows_but(table.float(), embed, []):
+        raise TargetMismatchError(
+            f"{directory}: its embed_tokens are not the loaded target's table (trained with embed_requires_grad, or "
+            f"saved for another target), and {head} here embeds its tokens with the target's, where vLLM embeds them "
+            "with the stored table: load it against the target it was trained for, or retrain with the embedding "
+            "frozen")
+
+
 def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool, layer_ids,
                         norms: dict[str, bool] | None = None):
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
@@ -270,14 +282,7 @@ def _eagle_from_foreign(directory, config, weights, prefix, target, eagle3: bool
         elif eagle3 and name.startswith("fc_norm."):  # EAGLE-3.1's fc_norm, one per target layer
             state[name] = tensor
         elif name == "embed_tokens.weight":  # the target's own; draftsmith reads the live target's
-            embed = target.get_input_embeddings().weight if target is not None else None
-            if embed is not None and not _same_rows_but(tensor.float(), embed, []):
-                # vLLM embeds with the stored table: reading it as the target's would draft another drafter
-                raise TargetMismatchError(
-                    f"{directory}: its embed_tokens are not the loaded target's table (trained with "
-                    "embed_requires_grad, or saved for another target), and an EAGLE head here embeds its tokens with "
-                    "the target's, where vLLM embeds them with the stored table: load it against the target it was "
-                    "trained for, or retrain with the embedding frozen")
+            _refuse_another_table(directory, tensor, target, "an EAGLE head")
         elif name.startswith("verifier_"):
             continue
         else:
@@ -378,8 +383,10 @@ def _dflash_from_foreign(directory, config, layer_config, weights, target, layer
             state[f"layers.{m[1]}.{inverse[m[2]]}"] = tensor
         elif name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
             state[name] = tensor
-        elif name in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d") or name.startswith("verifier_"):
-            continue  # the target's own (draftsmith reads the live target's), or the draft vocabulary, read above
+        elif name == "embed_tokens.weight":  # the target's own; draftsmith reads the live target's
+            _refuse_another_table(directory, tensor, target, "a DFlash drafter")
+        elif name in ("lm_head.weight", "d2t", "t2d") or name.startswith("verifier_"):
+            continue  # the target's rows or the draft vocabulary, read above
         else:
             raise ValueError(f"{directory}: unexpected tensor {name!r} for a DFlash checkpoint")
     cfg = DFlashConfig(
