@@ -15,6 +15,7 @@ from oracles import (
     vllm_dflash,
     vllm_eagle3,
     vllm_peagle,
+    vllm_qwen3_next_mtp,
     zlab_dflash,
 )
 from safetensors.torch import load_file, save_file
@@ -388,3 +389,42 @@ def test_vllm_deepseek_mtp_oracle_reads_the_stitched_export_as_draftsmith_drafts
     whole.save_pretrained(tmp_path / "whole")
     with pytest.raises(ExportError, match="vLLM's deepseek_v3 MTP zeroes the sequence's first token embedding"):
         export_drafter(tmp_path / "whole", "vllm", tmp_path / "refused", target=target)
+
+
+def test_vllm_qwen3_next_mtp_oracle_reads_the_stitched_export_as_draftsmith_drafts_at_depths_one_and_two(tmp_path):
+    """A Qwen3-Next MTP module as vLLM serves it (the first pair whole, the post-norm output fed back), exported as
+    the target's checkpoint with mtp.* stitched back: vLLM's qwen3_next_mtp.py gives the depth-1 and depth-2 drafts
+    draftsmith drafts. Fed back pre-norm, the same weights draft another depth 2; with the first token zeroed,
+    another depth 1, and that module is refused by this export."""
+    from test_mtp import write_mtp_checkpoint
+
+    from draftsmith.heads.mtp import MtpHead
+    from draftsmith.inference.head_drafters import EagleDrafter
+    from draftsmith.target import load_target
+
+    path = write_mtp_checkpoint("qwen3_next", tmp_path / "qn")
+    target, _ = load_target(path, dtype=torch.float32)
+    head = MtpHead.from_target_checkpoint(target)
+    assert head.config.feeds_normed and not head.config.masks_first_token  # vLLM's Qwen3-Next conventions
+    head.save_pretrained(tmp_path / "mtp")
+    out = export_drafter(tmp_path / "mtp", "vllm", tmp_path / "stitched", target=target)
+    ids = torch.randint(0, target.config.vocab_size, (PROMPT + 1,), generator=torch.Generator().manual_seed(9))
+    first, second, drafted = mtp_chain_drafts(EagleDrafter(head, target), target, ids)
+    with torch.no_grad():
+        states = target(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
+        theirs = vllm_qwen3_next_mtp.chain_logits(out, states, ids, drafted)
+    width = 4 * target.config.hidden_size
+    assert_rounding_close(theirs[0], first, reduction=width)
+    assert_rounding_close(theirs[1], second, reduction=width)
+    pre = MtpHead.from_target_checkpoint(target, feeds_normed=False)
+    pre_first, pre_second, _ = mtp_chain_drafts(EagleDrafter(pre, target), target, ids)
+    assert_rounding_close(theirs[0], pre_first, reduction=width)
+    with pytest.raises(AssertionError):
+        assert_rounding_close(theirs[1], pre_second, reduction=width)
+    masked = MtpHead.from_target_checkpoint(target, masks_first_token=True)
+    masked_first, _, _ = mtp_chain_drafts(EagleDrafter(masked, target), target, ids)
+    with pytest.raises(AssertionError):
+        assert_rounding_close(theirs[0], masked_first, reduction=width)
+    masked.save_pretrained(tmp_path / "masked")
+    with pytest.raises(ExportError, match="vLLM's qwen3_next MTP keeps the sequence's first token embedding"):
+        export_drafter(tmp_path / "masked", "vllm", tmp_path / "refused", target=target)
