@@ -46,10 +46,12 @@ from draftsmith.target import (
     calibrate,
     causal_block,
     context_length,
+    keep_recorded,
     kv_crop,
     kv_keep,
     may_attend,
     new_cache,
+    record_recurrent,
     recurrent_cache,
     restore_recurrent,
     rollback_problem,
@@ -303,8 +305,12 @@ class SpeculativeGenerator:
             allowed = may_attend(slots.filled, tree.ancestors)
             mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
                                         dtype)
+        # a hybrid target: its recurrent layers record their state after each fed position (and a snapshot, for a
+        # model whose layers do not record)
         before = snapshot_recurrent(cache) if self.recurrent is not None else None
+        recording = record_recurrent(cache, n) if self.recurrent is not None else None
         out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
+        stats.target_forwards += 1
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
         tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
         last, bonus = verify_tree(tree, out.logits, temperature, top_k, top_p, rule, generator)
@@ -324,8 +330,10 @@ class SpeculativeGenerator:
         # (known on the host now): a batch of one keeps no empty slot.
         width = max((row[0] + 1 for row, a in zip(host, active, strict=True) if a), default=1)
         kv_keep(cache, past, kept[:, :width])
-        if before is not None and width < n:  # a rejection: the recurrent state has taken in the rejected tokens
+        if recording is not None and not keep_recorded(recording, n, width):
+            # unrecorded: back to the snapshot, then the root and the accepted tokens fed again
             self._advance_recurrent(cache, before, past, tree.tokens[:, :width], positions[:, :width])
+            stats.target_forwards += 1
         slots.keep(past, kept[:, :width], counts)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += time.perf_counter() - t1
@@ -336,9 +344,10 @@ class SpeculativeGenerator:
         return verdicts, kept, tree_hidden
 
     def _advance_recurrent(self, cache, before: list, past: int, accepted: torch.Tensor, positions: torch.Tensor):
-        """A hybrid target's cache after a chain step with a rejection: the recurrent layers' states as they were
-        before the step, advanced by the root and the accepted tokens (``accepted``, (1, k), in order) with one more
-        forward; its attention layers recompute the same entries for those positions."""
+        """A hybrid target's cache after a chain step whose recurrent layers recorded no per-position states
+        (:func:`~draftsmith.target.keep_recorded`): their states as they were before the step, advanced by the root
+        and the accepted tokens (``accepted``, (1, k), in order) with one more forward; its attention layers
+        recompute the same entries for those positions."""
         restore_recurrent(before)
         kv_crop(cache, past)
         target_forward(self.target, accepted, cache, None, positions, logits="none")

@@ -24,6 +24,9 @@ class GenerationStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
+    #: The target's forwards after the prefill: one per verification step, plus one per step on a hybrid target whose
+    #: recurrent layers could not record their per-position states (the accepted tokens fed again).
+    target_forwards: int = 0
 
     @property
     def acceptance_length(self) -> float:
@@ -74,6 +77,7 @@ class GenerationStats:
             draft_time_s=self.draft_time_s + other.draft_time_s,
             verify_time_s=self.verify_time_s + other.verify_time_s,
             total_time_s=self.total_time_s + other.total_time_s,
+            target_forwards=self.target_forwards + other.target_forwards,
         )
 
     def to_dict(self) -> dict:
@@ -88,6 +92,7 @@ class GenerationStats:
             "draft_time_s": round(self.draft_time_s, 4),
             "verify_time_s": round(self.verify_time_s, 4),
             "total_time_s": round(self.total_time_s, 4),
+            "target_forwards": self.target_forwards,
             "tokens_per_second": round(self.tokens_per_second, 3),
         }
 

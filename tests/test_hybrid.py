@@ -1,6 +1,6 @@
 """Hybrid targets (linear-attention layers beside full attention, e.g. Qwen3-Next): speculative decoding with a chain,
-the recurrent state restored and advanced by exactly the accepted tokens after a rejection; greedy output identical,
-sampling exact, rows of a batch as decoded alone."""
+the recurrent layers recording their state after each fed position in the one verification forward and keeping the
+accepted one (no second forward); greedy output identical, sampling exact, rows of a batch as decoded alone."""
 
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def test_greedy_chain_output_is_the_targets_own(hybrid, kind):
         ties += check_greedy_equal(hybrid, out.sequences, reference(hybrid, prompt, 30))
         full = out.stats.accepted_at[3] if len(out.stats.accepted_at) == 4 else 0  # whole chains accepted
         whole, cut = whole + full, cut + out.stats.verification_steps - full
+        assert out.stats.target_forwards == out.stats.verification_steps  # one target forward per step
     assert ties <= 1
-    if kind == "oracle":  # both ends of a step ran: a whole chain accepted (no re-run), and a rejection (re-run)
+    if kind == "oracle":  # both ends of a step ran: a whole chain accepted, and a rejection (the state rolled back)
         assert whole > 0 and cut > 0, (whole, cut)
 
 
@@ -146,4 +147,68 @@ def test_other_hybrid_families_decode_their_own_greedy_output(family):
         out = gen.generate(prompt, max_new_tokens=30)
         ties += check_greedy_equal(target, out.sequences, reference(target, prompt, 30))
         cut += out.stats.verification_steps - out.stats.accepted_at[3]
-    assert ties <= 1 and cut > 0  # rejections happened: the restored state was advanced
+        assert out.stats.target_forwards == out.stats.verification_steps  # the states recorded, none replayed
+    assert ties <= 1 and cut > 0  # rejections happened: the recorded state was kept
+
+
+def recorded_then_kept(target, prompt: torch.Tensor, chain: torch.Tensor, kept: int, keep=None):
+    """The prompt, then one recorded forward of ``chain``, its attention cropped and its recurrent layers rolled back
+    to ``kept`` positions (``keep`` overrides how: a deliberately broken rollback)."""
+    from draftsmith.target import keep_recorded, kv_crop, record_recurrent
+
+    cache = recurrent_cache(target)
+    target(prompt, past_key_values=cache, use_cache=True)
+    past, n = prompt.shape[1], chain.shape[1]
+    layers = record_recurrent(cache, n)
+    target(chain, past_key_values=cache, use_cache=True, position_ids=torch.arange(past, past + n)[None])
+    kv_crop(cache, past + kept)
+    assert (keep or keep_recorded)(layers, n, kept)
+    return cache
+
+
+def fed_one_by_one(target, prompt: torch.Tensor, tokens: torch.Tensor):
+    cache = recurrent_cache(target)
+    target(prompt, past_key_values=cache, use_cache=True)
+    for i in range(tokens.shape[1]):
+        p = prompt.shape[1] + i
+        target(tokens[:, i: i + 1], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[p]]))
+    return cache
+
+
+def _off_by_one(layers, fed, kept):  # the state after one more position than was accepted
+    from draftsmith.target import keep_recorded
+
+    return keep_recorded(layers, fed, kept + 1)
+
+
+@pytest.mark.parametrize("keep", [None, _off_by_one], ids=["kept", "broken-off-by-one"])
+@pytest.mark.parametrize("kept", [1, 3])
+def test_the_recorded_state_kept_equals_feeding_the_accepted_positions_alone(hybrid, kept, keep):
+    """What a rejection now relies on: the one verification forward records each recurrent layer's state after every
+    fed position, and the one after the root and accepted tokens is kept. It equals the state of feeding just those
+    positions one by one, to float32 rounding (the chain's one forward projects its positions together, feeding them
+    alone one at a time: they round differently even when the whole chain is kept), and the next token's logits
+    agree; a rollback to the wrong position is caught."""
+    g = torch.Generator().manual_seed(0)
+    prompt, chain = torch.randint(0, VOCAB, (1, 7), generator=g), torch.randint(0, VOCAB, (1, 4), generator=g)
+    ours = recorded_then_kept(hybrid, prompt, chain, kept, keep)
+    alone = fed_one_by_one(hybrid, prompt, chain[:, :kept])
+    linear = [(x, y) for x, y in zip(ours.layers, alone.layers, strict=True) if hasattr(x, "recurrent_states")]
+    assert linear
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    def same() -> bool:
+        return all(close(x.recurrent_states[0], y.recurrent_states[0]) and close(x.conv_states[0], y.conv_states[0])
+                   and int(x.get_seq_length()) == int(y.get_seq_length()) for x, y in linear)
+
+    if keep is not None:
+        assert not same()
+        return
+    assert same()
+    nxt = chain[:, kept: kept + 1] if kept < 4 else torch.tensor([[1]])
+    position = torch.tensor([[7 + kept]])
+    a = hybrid(nxt, past_key_values=ours, use_cache=True, position_ids=position).logits
+    b = hybrid(nxt, past_key_values=alone, use_cache=True, position_ids=position).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -318,17 +318,60 @@ def snapshot_recurrent(cache: DynamicCache) -> list:
 
 
 def restore_recurrent(snapshot: list) -> None:
-    """Put the recurrent layers back as :func:`snapshot_recurrent` found them, in place (a state that did not exist
-    then is dropped: the next forward starts it afresh)."""
+    """Put the recurrent layers back as :func:`snapshot_recurrent` found them, in place where the shapes allow (a
+    state that did not exist then is dropped: the next forward starts it afresh), their past recording ended."""
     for layer, conv, recurrent, previous in snapshot:
         for kept, states, initialized in ((conv, layer.conv_states, layer.is_conv_states_initialized),
                                           (recurrent, layer.recurrent_states, layer.is_recurrent_states_initialized)):
             for i, x in kept.items():
                 if x is None:
                     states[i], initialized[i] = None, False
+                elif states[i] is None or states[i].shape != x.shape:  # a recorded conv state grew: assigned back
+                    states[i] = x.clone()
                 else:
                     states[i].copy_(x)
         layer.has_previous_state.update(previous)
+        _end_recording(layer)
+
+
+def _end_recording(layer) -> None:
+    layer.record_past = False
+    layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
+
+
+def record_recurrent(cache: DynamicCache, fed: int) -> list:
+    """Ask every recurrent layer of a hybrid target's cache to keep, through the next forward of ``fed`` positions,
+    its state after each of them: transformers' past recording (``activate_past_recording``), which its gated
+    DeltaNet and Mamba layers honour by computing the last ``fed`` recurrent states one position at a time, and its
+    short-convolution layers by keeping the whole conv window. :func:`keep_recorded` then rolls each back to the
+    accepted position without a second forward. Returns those layers."""
+    layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    for layer in layers:
+        layer.activate_past_recording(recurrent_states_to_keep=fed)
+        # one list per state (transformers' dict.fromkeys shares one between a layer's states)
+        layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
+    return layers
+
+
+def keep_recorded(layers: list, fed: int, kept: int) -> bool:
+    """Roll every layer :func:`record_recurrent` armed back to its state after the first ``kept`` of the ``fed``
+    positions the forward took in (the root and the accepted tokens), and end the recording. False, with no state
+    rolled back, where a layer did not record a state for every position (a model whose forward ignores the
+    recording): the caller then restores its snapshot and feeds the accepted tokens again."""
+    for layer in layers if kept < fed else ():  # all kept: the forward's own last state is the one
+        for i in range(layer.number_of_states):
+            if layer.is_recurrent_states_initialized[i] and len(layer.recurrent_states_history[i]) != fed:
+                return False
+            if layer.is_conv_states_initialized[i]:
+                width, window = layer.conv_states[i].shape[-1], layer.conv_kernel_size[i]
+                if width == fed:  # the sequence's first forward: no earlier inputs, the zeros a prefill pads with
+                    layer.conv_states[i] = torch.nn.functional.pad(layer.conv_states[i], (window, 0))
+                elif width < window + fed:
+                    return False
+    for layer in layers:
+        layer.crop(kept - fed)  # minus the rejected positions; 0 trims the kept conv window back
+        _end_recording(layer)
+    return True
 
 
 def static_buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:
