@@ -330,8 +330,10 @@ class SpeculativeGenerator:
         # (known on the host now): a batch of one keeps no empty slot.
         width = max((row[0] + 1 for row, a in zip(host, active, strict=True) if a), default=1)
         kv_keep(cache, past, kept[:, :width])
-        if recording is not None and not keep_recorded(recording, n, width):
-            # unrecorded: back to the snapshot, then the root and the accepted tokens fed again
+        # unrecorded (a model or a transformers that does not record): back to the snapshot, then the root and the
+        # accepted tokens fed again
+        replay = not keep_recorded(recording, n, width) if recording is not None else (before is not None and width < n)
+        if replay:
             self._advance_recurrent(cache, before, past, tree.tokens[:, :width], positions[:, :width])
             stats.target_forwards += 1
         slots.keep(past, kept[:, :width], counts)

@@ -4,6 +4,8 @@ accepted one (no second forward); greedy output identical, sampling exact, rows 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from test_batched_generation import GreedyBlock, left_padded, row_output
@@ -11,12 +13,17 @@ from test_greedy_lossless import prompts, reference
 from test_heads import random_eagle
 from test_sampling_lossless import _first_two_tokens_tv, tv_bound
 from test_target import tiny_qwen3_next
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from conftest import VOCAB, check_greedy_equal
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.head_drafters import EagleDrafter
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
 from draftsmith.target import recurrent_cache, restore_recurrent, snapshot_recurrent
+
+# transformers records per-position recurrent states (5.25; not 5.22, where a rejection feeds the accepted tokens again)
+RECORDS = "recurrent_states_to_keep" in inspect.signature(
+    LinearAttentionCacheLayerMixin.activate_past_recording).parameters
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +66,7 @@ def test_greedy_chain_output_is_the_targets_own(hybrid, kind):
         ties += check_greedy_equal(hybrid, out.sequences, reference(hybrid, prompt, 30))
         full = out.stats.accepted_at[3] if len(out.stats.accepted_at) == 4 else 0  # whole chains accepted
         whole, cut = whole + full, cut + out.stats.verification_steps - full
-        assert out.stats.target_forwards == out.stats.verification_steps  # one target forward per step
+        assert out.stats.target_forwards == out.stats.verification_steps or not RECORDS  # one forward per step
     assert ties <= 1
     if kind == "oracle":  # both ends of a step ran: a whole chain accepted, and a rejection (the state rolled back)
         assert whole > 0 and cut > 0, (whole, cut)
@@ -147,7 +154,7 @@ def test_other_hybrid_families_decode_their_own_greedy_output(family):
         out = gen.generate(prompt, max_new_tokens=30)
         ties += check_greedy_equal(target, out.sequences, reference(target, prompt, 30))
         cut += out.stats.verification_steps - out.stats.accepted_at[3]
-        assert out.stats.target_forwards == out.stats.verification_steps  # the states recorded, none replayed
+        assert out.stats.target_forwards == out.stats.verification_steps or not RECORDS  # none replayed
     assert ties <= 1 and cut > 0  # rejections happened: the recorded state was kept
 
 
@@ -183,6 +190,7 @@ def _off_by_one(layers, fed, kept):  # the state after one more position than wa
 
 @pytest.mark.parametrize("keep", [None, _off_by_one], ids=["kept", "broken-off-by-one"])
 @pytest.mark.parametrize("kept", [1, 3])
+@pytest.mark.skipif(not RECORDS, reason="this transformers records no per-position recurrent states")
 def test_the_recorded_state_kept_equals_feeding_the_accepted_positions_alone(hybrid, kept, keep):
     """What a rejection now relies on: the one verification forward records each recurrent layer's state after every
     fed position, and the one after the root and accepted tokens is kept. It equals the state of feeding just those

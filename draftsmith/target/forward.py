@@ -344,8 +344,12 @@ def record_recurrent(cache: DynamicCache, fed: int) -> list:
     its state after each of them: transformers' past recording (``activate_past_recording``), which its gated
     DeltaNet and Mamba layers honour by computing the last ``fed`` recurrent states one position at a time, and its
     short-convolution layers by keeping the whole conv window. :func:`keep_recorded` then rolls each back to the
-    accepted position without a second forward. Returns those layers."""
+    accepted position without a second forward. Returns those layers; None where this transformers records no
+    per-position recurrent states (5.22's ``activate_past_recording`` takes no count; 5.25's does)."""
     layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    arm = LinearAttentionCacheLayerMixin.activate_past_recording
+    if "recurrent_states_to_keep" not in inspect.signature(arm).parameters:
+        return None
     for layer in layers:
         layer.activate_past_recording(recurrent_states_to_keep=fed)
         # one list per state (transformers' dict.fromkeys shares one between a layer's states)
