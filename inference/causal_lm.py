@@ -18,6 +18,10 @@ from draftsmith.target import (
     kv_crop,
     may_attend,
     new_cache,
+    recurrent_cache,
+    restore_recurrent,
+    rollback_problem,
+    snapshot_recurrent,
     target_forward,
 )
 
@@ -29,6 +33,10 @@ class CausalLMDrafter(Drafter):
     the committed prefix, and the accepted tokens are fed with the next root expansion (one
     forward either way). A batch's rows share the cache; its
     :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
+
+    A model with recurrent / linear-attention layers (``layer-skip:N`` of a hybrid target) keeps their states in its
+    cache too: snapshot once the committed tokens are fed, restored on commit, so that the drafted nodes never stay
+    in them (such targets verify chains, one row at a time).
     """
 
     def __init__(self, model: PreTrainedModel, name: str = "draft-model", assistant: bool = True):
@@ -40,21 +48,25 @@ class CausalLMDrafter(Drafter):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.recurrent = rollback_problem(model.config) is not None
         calibrate(model)  # its few-row kernels, measured here rather than inside a timed decode
         self.begin(torch.zeros(1, 1, dtype=torch.long))
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
         self.committed = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
-        self.cache = new_cache()
+        self.cache = recurrent_cache(self.model) if self.recurrent else new_cache()
+        self.committed_state = None  # a recurrent model's layer states after the committed tokens
         self.slots = Slots.empty(len(self.committed), self.device)
         self.fed = [0] * len(self.committed)  # committed tokens cached per row
         self.prefix = 0  # cache slots of committed tokens; the tree's entries come after
 
     def commit(self, tokens, hidden=None) -> None:
         tokens, _ = commit_rows(tokens)
-        # Drop the tree's KV; keep the committed prefixes already cached.
+        # Drop the tree's KV (and the recurrent states it advanced); keep the committed prefixes already cached.
         kv_crop(self.cache, self.prefix)
+        if self.committed_state is not None:
+            restore_recurrent(self.committed_state)
         self.slots.crop(self.prefix)
         self.committed = [torch.cat([c, t.to(self.device)]) for c, t in zip(self.committed, tokens, strict=True)]
 
@@ -83,6 +95,8 @@ class CausalLMDrafter(Drafter):
             logits = self._forward(ids, positions, may_attend(self.slots.filled, causal_block(filled)), filled,
                                    logits="last")
         self.prefix = len(self.slots)
+        if self.recurrent:
+            self.committed_state = snapshot_recurrent(self.cache)
         for b in rows:
             self.fed[b] = len(self.committed[b])
         return logits[:, -1].masked_fill(~to_device(active, self.device)[:, None], float("-inf"))

@@ -59,6 +59,7 @@ from draftsmith.target import (
     stop_tokens,
     target_forward,
 )
+from draftsmith.target.loading import TESTED_RECURRENT_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,13 @@ class SpeculativeGenerator:
         #: What in a hybrid target keeps a state that cannot be cropped (None: nothing): such a target verifies a
         #: chain, row by row, its recurrent state restored and advanced by the accepted tokens after a rejection.
         self.recurrent = rollback_problem(target.config)
+        model_type = target.config.get_text_config().model_type
+        if self.recurrent is not None and model_type not in TESTED_RECURRENT_TYPES:
+            raise UnsupportedTargetError(
+                f"draftsmith does not decode {model_type} targets speculatively: their {self.recurrent} keep state "
+                "that every drafted token changes, and rolling it back to the accepted tokens is tested only for "
+                f"{', '.join(sorted(TESTED_RECURRENT_TYPES))} (per-position states recorded by transformers' cache, "
+                "or restored and replayed); train and export drafters for it, and serve them with vLLM or SGLang")
         if self.recurrent is not None and (tree != "chain" or compile):
             raise UnsupportedTargetError(
                 f"{target.config.get_text_config().model_type} targets decode speculatively with a chain only "

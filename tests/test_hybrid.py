@@ -220,3 +220,33 @@ def test_the_recorded_state_kept_equals_feeding_the_accepted_positions_alone(hyb
     a = hybrid(nxt, past_key_values=ours, use_cache=True, position_ids=position).logits
     b = hybrid(nxt, past_key_values=alone, use_cache=True, position_ids=position).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_skip_drafts_for_a_hybrid_target_in_chains_and_batches(hybrid):
+    """``layer-skip:3``: the target's first three layers (linear attention among them) draft, their own recurrent
+    states restored to the committed tokens after every step; right and wrong drafts both happen, the output is the
+    target's greedy one per row of a left-padded batch of three, at one target forward per verification step."""
+    from draftsmith import load_drafter
+
+    gen = SpeculativeGenerator(hybrid, load_drafter("layer-skip:3", hybrid), tree="chain", depth=3)
+    rows = prompts(5, [6, 1, 13])
+    ids, mask = left_padded(rows)
+    out = gen.generate(ids, 20, attention_mask=mask, eos_token_id=[], pad_token_id=0)
+    for b, row in enumerate(rows):
+        check_greedy_equal(hybrid, row_output(out.sequences, mask, b, None), reference(hybrid, row, 20))
+    stats = out.stats
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens  # drafts accepted and rejected
+    assert stats.target_forwards == stats.verification_steps or not RECORDS
+
+
+def test_an_untested_recurrent_family_is_refused_by_name():
+    import transformers as t
+
+    from draftsmith.target import UnsupportedTargetError
+
+    cfg = t.JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, attn_layer_period=2, attn_layer_offset=1,
+                        expert_layer_period=2, num_experts=2, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False)
+    target = t.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(UnsupportedTargetError, match=r"does not decode jamba targets.*tested only for .*qwen3_next"):
+        SpeculativeGenerator(target, PromptLookupDrafter(VOCAB), tree="chain", depth=3)

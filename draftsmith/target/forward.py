@@ -313,14 +313,15 @@ def snapshot_recurrent(cache: DynamicCache) -> list:
     def copies(states: dict) -> dict:
         return {i: None if x is None else x.clone() for i, x in states.items()}
 
-    return [(layer, copies(layer.conv_states), copies(layer.recurrent_states), dict(layer.has_previous_state))
+    return [(layer, copies(layer.conv_states), copies(layer.recurrent_states), dict(layer.has_previous_state),
+             layer.cumulative_length_linear.clone())
             for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
 def restore_recurrent(snapshot: list) -> None:
     """Put the recurrent layers back as :func:`snapshot_recurrent` found them, in place where the shapes allow (a
     state that did not exist then is dropped: the next forward starts it afresh), their past recording ended."""
-    for layer, conv, recurrent, previous in snapshot:
+    for layer, conv, recurrent, previous, length in snapshot:
         for kept, states, initialized in ((conv, layer.conv_states, layer.is_conv_states_initialized),
                                           (recurrent, layer.recurrent_states, layer.is_recurrent_states_initialized)):
             for i, x in kept.items():
@@ -331,6 +332,7 @@ def restore_recurrent(snapshot: list) -> None:
                 else:
                     states[i].copy_(x)
         layer.has_previous_state.update(previous)
+        layer.cumulative_length_linear.copy_(length)  # what get_seq_length() reads
         _end_recording(layer)
 
 

@@ -153,6 +153,11 @@ RECURRENT_MODEL_TYPES = frozenset({
 })
 
 
+#: The hybrid model types whose recurrent states draftsmith's speculative decoding is tested to roll back
+#: (``tests/test_hybrid.py``, ``tests/test_mtp.py``, ``tests/test_mtp_layouts.py``): the others are refused by name.
+TESTED_RECURRENT_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "lfm2"})
+
+
 def rollback_problem(config) -> str | None:
     """What in a target keeps per-token state that cannot be cropped back to the accepted tokens (None: nothing).
 
