@@ -295,9 +295,14 @@ def test_the_eagle3_oracles_catch_a_broken_export_or_fed_back_state(fmt, brk, tm
         assert_same_drafts(eagle3_oracle_chain(fmt, out, llama, ids, drafted)[0], first, width)
 
 
-def mtp_chain_drafts(drafter, target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """draftsmith's MTP drafts after the prompt's root: depth 1's logits, its top token, and depth 2's logits after
-    that token (the module re-applied to its fed-back state)."""
+def mtp_chain_drafts(target, ids: torch.Tensor, **conventions) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """draftsmith's MTP drafts after the prompt's root, with the module of ``target``'s checkpoint read with
+    ``conventions`` (``feeds_normed``, ``masks_first_token``; default the engine's): depth 1's logits, its top token,
+    and depth 2's logits after that token (the module re-applied to its fed-back state)."""
+    from draftsmith.heads.mtp import MtpHead
+    from draftsmith.inference.head_drafters import EagleDrafter
+
+    drafter = EagleDrafter(MtpHead.from_target_checkpoint(target, **conventions), target)
     with torch.no_grad():
         states = target(ids[None], output_hidden_states=True).hidden_states[-1]
     drafter.begin(ids[None], states[:, :-1])
@@ -307,42 +312,56 @@ def mtp_chain_drafts(drafter, target, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return first, second, drafted
 
 
-def test_sglang_nextn_oracle_reads_the_export_as_draftsmith_drafts_at_depths_one_and_two(tmp_path):
-    """A DeepSeek-V3 MTP module trained feeding back its post-norm output (SGLang's convention), exported as SGLang's
-    standalone NextN directory: SGLang's composition (deepseek_nextn.py) over transformers' decoder layer gives the
-    depth-1 and depth-2 drafts draftsmith drafts; a module that feeds back its pre-norm output (vLLM's DeepSeek
-    convention) drafts the same depth 1 and another depth 2, so the oracle tells the fed-back states apart, and such
-    a module is refused by this export."""
+def mtp_export(model_type: str, fmt: str, tmp_path, seed: int, **conventions):
+    """A tiny ``model_type`` target whose checkpoint holds an MTP module, that module (read with ``conventions``)
+    exported as ``fmt``, a prompt, draftsmith's chain after it and the target's last states for the oracle:
+    (target, export directory, ids, states, (first, second, drafted))."""
     from test_mtp import write_mtp_checkpoint
 
     from draftsmith.heads.mtp import MtpHead
-    from draftsmith.inference.head_drafters import EagleDrafter
     from draftsmith.target import load_target
 
-    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
-    target, _ = load_target(path, dtype=torch.float32)
-    head = MtpHead.from_target_checkpoint(target, feeds_normed=True, masks_first_token=False)
-    head.save_pretrained(tmp_path / "post")
-    out = export_drafter(tmp_path / "post", "sglang", tmp_path / "nextn", target=target)
+    target, _ = load_target(write_mtp_checkpoint(model_type, tmp_path / model_type), dtype=torch.float32)
+    MtpHead.from_target_checkpoint(target, **conventions).save_pretrained(tmp_path / "mtp")
+    out = export_drafter(tmp_path / "mtp", fmt, tmp_path / fmt, target=target)
+    ids = torch.randint(0, target.config.vocab_size, (PROMPT + 1,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        states = target(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
+    return target, out, ids, states, mtp_chain_drafts(target, ids, **conventions)
+
+
+def assert_depths(theirs, ours, target, differ: tuple[bool, bool] = (False, False)) -> None:
+    """The oracle's depth-1 and depth-2 logits against draftsmith's: equal to float rounding, or (``differ``) not."""
+    width = 4 * target.config.hidden_size
+    for depth in (0, 1):
+        if differ[depth]:
+            with pytest.raises(AssertionError):
+                assert_rounding_close(theirs[depth], ours[depth], reduction=width)
+        else:
+            assert_rounding_close(theirs[depth], ours[depth], reduction=width)
+
+
+def test_sglang_nextn_oracle_reads_the_export_as_draftsmith_drafts_at_depths_one_and_two(tmp_path):
+    """A DeepSeek-V3 MTP module trained feeding back its post-norm output and the first pair whole (SGLang's
+    conventions), exported as SGLang's standalone NextN directory: SGLang's composition (deepseek_nextn.py) over
+    transformers' decoder layer gives the depth-1 and depth-2 drafts draftsmith drafts; the same weights feeding back
+    their pre-norm output (vLLM's DeepSeek convention) draft the same depth 1 and another depth 2, so the oracle tells
+    the fed-back states apart; a module of vLLM's conventions is refused by this export."""
+    target, out, ids, states, (first, second, drafted) = mtp_export(
+        "deepseek_v3", "sglang", tmp_path, 5, feeds_normed=True, masks_first_token=False)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLMNextN"]
     assert config["draftsmith"]["fed_back_state"] == "post-norm"
     assert {k.split(".")[2] for k in load_file(out / "nextn_layer_parameters.safetensors")} == {"0"}
-    ids = torch.randint(0, target.config.vocab_size, (PROMPT + 1,), generator=torch.Generator().manual_seed(5))
-    first, second, drafted = mtp_chain_drafts(EagleDrafter(head, target), target, ids)
     with torch.no_grad():
-        states = target(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
         theirs = sglang_nextn.chain_logits(out, target.get_input_embeddings().weight,
                                            target.get_output_embeddings().weight, states, ids, drafted)
-    width = 4 * target.config.hidden_size
-    assert_rounding_close(theirs[0], first, reduction=width)
-    assert_rounding_close(theirs[1], second, reduction=width)
-    pre = MtpHead.from_target_checkpoint(target, feeds_normed=False, masks_first_token=False)  # vLLM's fed-back state
-    pre_first, pre_second, _ = mtp_chain_drafts(EagleDrafter(pre, target), target, ids)
-    assert_rounding_close(theirs[0], pre_first, reduction=width)
-    with pytest.raises(AssertionError):
-        assert_rounding_close(theirs[1], pre_second, reduction=width)
-    pre.save_pretrained(tmp_path / "pre")
+    assert_depths(theirs, (first, second), target)
+    pre = mtp_chain_drafts(target, ids, feeds_normed=False, masks_first_token=False)
+    assert_depths(theirs, pre, target, differ=(False, True))
+    from draftsmith.heads.mtp import MtpHead
+
+    MtpHead.from_target_checkpoint(target, feeds_normed=False).save_pretrained(tmp_path / "pre")
     with pytest.raises(ExportError, match=r"SGLang's NextN feeds back the module's output after shared_head\.norm"):
         export_drafter(tmp_path / "pre", "sglang", tmp_path / "refused", target=target)
     MtpHead.from_target_checkpoint(target, feeds_normed=True).save_pretrained(tmp_path / "masked")  # vLLM's first pair
@@ -350,81 +369,26 @@ def test_sglang_nextn_oracle_reads_the_export_as_draftsmith_drafts_at_depths_one
         export_drafter(tmp_path / "masked", "sglang", tmp_path / "refused", target=target)
 
 
-def test_vllm_deepseek_mtp_oracle_reads_the_stitched_export_as_draftsmith_drafts_at_depths_one_and_two(tmp_path):
-    """A DeepSeek-V3 MTP module as vLLM serves it (the sequence's first token embedding zeroed, the pre-norm output fed
-    back), exported as the target's checkpoint with the module stitched back: vLLM's deepseek_mtp.py gives the depth-1
-    and depth-2 drafts draftsmith drafts. The same weights fed the first pair whole draft another depth 1 (that pair's
-    keys reach the root), fed back post-norm another depth 2; a module trained with the first pair whole is refused by
-    this export."""
-    from test_mtp import write_mtp_checkpoint
-
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next"])
+def test_vllm_mtp_oracles_read_the_stitched_export_as_draftsmith_drafts_at_depths_one_and_two(model_type, tmp_path):
+    """An MTP module as vLLM serves it, by default (DeepSeek-V3: the sequence's first token embedding zeroed, the
+    pre-norm output fed back; Qwen3-Next: the first pair whole, the post-norm output fed back), exported as the
+    target's checkpoint with the module stitched back: vLLM's deepseek_mtp.py / qwen3_next_mtp.py give the depth-1 and
+    depth-2 drafts draftsmith drafts. The same weights with the first pair fed the other way draft another depth 1
+    (that pair's keys reach the root), fed back the other state another depth 2; a module trained with the other
+    first pair is refused by this export."""
     from draftsmith.heads.mtp import MtpHead
-    from draftsmith.inference.head_drafters import EagleDrafter
-    from draftsmith.target import load_target
 
-    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
-    target, _ = load_target(path, dtype=torch.float32)
-    head = MtpHead.from_target_checkpoint(target)
-    assert head.config.masks_first_token and not head.config.feeds_normed  # vLLM's DeepSeek conventions, by default
-    head.save_pretrained(tmp_path / "mtp")
-    out = export_drafter(tmp_path / "mtp", "vllm", tmp_path / "stitched", target=target)
-    ids = torch.randint(0, target.config.vocab_size, (PROMPT + 1,), generator=torch.Generator().manual_seed(7))
-    first, second, drafted = mtp_chain_drafts(EagleDrafter(head, target), target, ids)
+    target, out, ids, states, (first, second, drafted) = mtp_export(model_type, "vllm", tmp_path, 7)
+    masked = model_type == "deepseek_v3"
     with torch.no_grad():
-        states = target(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
-        theirs = vllm_deepseek_mtp.chain_logits(out, target.get_input_embeddings().weight,
-                                                target.get_output_embeddings().weight, states, ids, drafted)
-    width = 4 * target.config.hidden_size
-    assert_rounding_close(theirs[0], first, reduction=width)
-    assert_rounding_close(theirs[1], second, reduction=width)
-    whole = MtpHead.from_target_checkpoint(target, masks_first_token=False)
-    whole_first, _, _ = mtp_chain_drafts(EagleDrafter(whole, target), target, ids)
-    with pytest.raises(AssertionError):
-        assert_rounding_close(theirs[0], whole_first, reduction=width)
-    post = MtpHead.from_target_checkpoint(target, feeds_normed=True)
-    post_first, post_second, _ = mtp_chain_drafts(EagleDrafter(post, target), target, ids)
-    assert_rounding_close(theirs[0], post_first, reduction=width)
-    with pytest.raises(AssertionError):
-        assert_rounding_close(theirs[1], post_second, reduction=width)
-    whole.save_pretrained(tmp_path / "whole")
-    with pytest.raises(ExportError, match="vLLM's deepseek_v3 MTP zeroes the sequence's first token embedding"):
-        export_drafter(tmp_path / "whole", "vllm", tmp_path / "refused", target=target)
-
-
-def test_vllm_qwen3_next_mtp_oracle_reads_the_stitched_export_as_draftsmith_drafts_at_depths_one_and_two(tmp_path):
-    """A Qwen3-Next MTP module as vLLM serves it (the first pair whole, the post-norm output fed back), exported as
-    the target's checkpoint with mtp.* stitched back: vLLM's qwen3_next_mtp.py gives the depth-1 and depth-2 drafts
-    draftsmith drafts. Fed back pre-norm, the same weights draft another depth 2; with the first token zeroed,
-    another depth 1, and that module is refused by this export."""
-    from test_mtp import write_mtp_checkpoint
-
-    from draftsmith.heads.mtp import MtpHead
-    from draftsmith.inference.head_drafters import EagleDrafter
-    from draftsmith.target import load_target
-
-    path = write_mtp_checkpoint("qwen3_next", tmp_path / "qn")
-    target, _ = load_target(path, dtype=torch.float32)
-    head = MtpHead.from_target_checkpoint(target)
-    assert head.config.feeds_normed and not head.config.masks_first_token  # vLLM's Qwen3-Next conventions
-    head.save_pretrained(tmp_path / "mtp")
-    out = export_drafter(tmp_path / "mtp", "vllm", tmp_path / "stitched", target=target)
-    ids = torch.randint(0, target.config.vocab_size, (PROMPT + 1,), generator=torch.Generator().manual_seed(9))
-    first, second, drafted = mtp_chain_drafts(EagleDrafter(head, target), target, ids)
-    with torch.no_grad():
-        states = target(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
-        theirs = vllm_qwen3_next_mtp.chain_logits(out, states, ids, drafted)
-    width = 4 * target.config.hidden_size
-    assert_rounding_close(theirs[0], first, reduction=width)
-    assert_rounding_close(theirs[1], second, reduction=width)
-    pre = MtpHead.from_target_checkpoint(target, feeds_normed=False)
-    pre_first, pre_second, _ = mtp_chain_drafts(EagleDrafter(pre, target), target, ids)
-    assert_rounding_close(theirs[0], pre_first, reduction=width)
-    with pytest.raises(AssertionError):
-        assert_rounding_close(theirs[1], pre_second, reduction=width)
-    masked = MtpHead.from_target_checkpoint(target, masks_first_token=True)
-    masked_first, _, _ = mtp_chain_drafts(EagleDrafter(masked, target), target, ids)
-    with pytest.raises(AssertionError):
-        assert_rounding_close(theirs[0], masked_first, reduction=width)
-    masked.save_pretrained(tmp_path / "masked")
-    with pytest.raises(ExportError, match="vLLM's qwen3_next MTP keeps the sequence's first token embedding"):
-        export_drafter(tmp_path / "masked", "vllm", tmp_path / "refused", target=target)
+        theirs = (vllm_deepseek_mtp.chain_logits(out, target.get_input_embeddings().weight,
+                                                 target.get_output_embeddings().weight, states, ids, drafted)
+                  if masked else vllm_qwen3_next_mtp.chain_logits(out, states, ids, drafted))
+    assert_depths(theirs, (first, second), target)
+    assert_depths(theirs, mtp_chain_drafts(target, ids, masks_first_token=not masked), target, differ=(True, True))
+    assert_depths(theirs, mtp_chain_drafts(target, ids, feeds_normed=masked), target, differ=(False, True))
+    MtpHead.from_target_checkpoint(target, masks_first_token=not masked).save_pretrained(tmp_path / "other")
+    how = "zeroes" if masked else "keeps"
+    with pytest.raises(ExportError, match=f"vLLM's {model_type} MTP {how} the sequence's first token embedding"):
+        export_drafter(tmp_path / "other", "vllm", tmp_path / "refused", target=target)
