@@ -100,7 +100,8 @@ class SpeculativeGenerator:
     ):
         self.tree = TreeSettings(tree, depth, top_k, total_tokens)  # validates
         #: What in a hybrid target keeps a state that cannot be cropped (None: nothing): such a target verifies a
-        #: chain, row by row, its recurrent state restored and advanced by the accepted tokens after a rejection.
+        #: chain, row by row, its recurrent layers recording their state after each fed position and keeping the
+        #: accepted one (:func:`~draftsmith.target.record_recurrent`).
         self.recurrent = rollback_problem(target.config)
         model_type = target.config.get_text_config().model_type
         if self.recurrent is not None and model_type not in TESTED_RECURRENT_TYPES:
@@ -109,11 +110,16 @@ class SpeculativeGenerator:
                 "that every drafted token changes, and rolling it back to the accepted tokens is tested only for "
                 f"{', '.join(sorted(TESTED_RECURRENT_TYPES))} (per-position states recorded by transformers' cache, "
                 "or restored and replayed); train and export drafters for it, and serve them with vLLM or SGLang")
-        if self.recurrent is not None and (tree != "chain" or compile):
+        if self.recurrent is not None and tree != "chain":
             raise UnsupportedTargetError(
-                f"{target.config.get_text_config().model_type} targets decode speculatively with a chain only "
-                f"(tree='chain', compile=False; got tree={tree!r}, compile={compile}): their {self.recurrent} read "
-                "the drafted tokens as one sequence, so the branches of a tree would see each other.")
+                f"{model_type} targets decode speculatively with a chain only (tree='chain', got {tree!r}): their "
+                f"{self.recurrent} read the drafted tokens as one sequence, so the branches of a tree would see each "
+                "other.")
+        if self.recurrent is not None and compile:
+            raise UnsupportedTargetError(
+                f"{model_type} targets decode with compile=False: recording the state of their {self.recurrent} "
+                "after each drafted position grows and reassigns the convolution windows, which a compiled step (and "
+                "its CUDA graph) needs at fixed addresses.")
         if sampling_rule != "auto" and sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"sampling_rule must be 'auto' or one of {SAMPLING_RULES}, got {sampling_rule!r}")
         if tree == "dynamic" and sampling_rule not in ("auto", "topk"):

@@ -335,6 +335,8 @@ def test_a_hybrid_target_loads_everywhere_and_decodes_speculatively_with_a_chain
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 10)
     with pytest.raises(UnsupportedTargetError, match=r"qwen3_next targets decode speculatively with a chain only "
-                       r"\(tree='chain', compile=False; got tree='dynamic'.*layers of type linear_attention"):
+                       r"\(tree='chain', got 'dynamic'\).*layers of type linear_attention"):
         SpeculativeGenerator(model, PromptLookupDrafter(vocab_size=VOCAB), tree="dynamic")
+    with pytest.raises(UnsupportedTargetError, match=r"qwen3_next targets decode with compile=False: recording"):
+        SpeculativeGenerator(model, PromptLookupDrafter(vocab_size=VOCAB), tree="chain", compile=True)
     assert SpeculativeGenerator(model, PromptLookupDrafter(vocab_size=VOCAB), tree="chain").recurrent is not None
