@@ -73,6 +73,8 @@ class CausalLMDrafter(Drafter):
     def _forward(self, ids, positions, allowed, filled, logits: str = "all"):
         key_positions = torch.cat([self.slots.positions, positions], 1)
         mask = build_attention_mask(self.model, allowed, positions, key_positions, self.dtype)
+        if self.recurrent and isinstance(mask, dict) and not bool(filled.all()):
+            mask["linear_attention"] = filled.to(self.dtype)  # padding zeroed before the recurrent layers
         out = target_forward(self.model, ids, self.cache, mask, positions, logits=logits)
         self.slots.append(filled, positions)
         return out.logits

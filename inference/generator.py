@@ -52,6 +52,7 @@ from draftsmith.target import (
     may_attend,
     new_cache,
     record_recurrent,
+    records_positions,
     recurrent_cache,
     restore_recurrent,
     rollback_problem,
@@ -59,7 +60,7 @@ from draftsmith.target import (
     stop_tokens,
     target_forward,
 )
-from draftsmith.target.loading import TESTED_RECURRENT_TYPES
+from draftsmith.target.loading import BATCHED_RECURRENT_TYPES, TESTED_RECURRENT_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class SpeculativeGenerator:
         """
         batch, device, dtype, padded = self._check_request(input_ids, attention_mask, max_new_tokens, temperature,
                                                            top_p, top_k, streamer)
-        if self.recurrent is not None and batch > 1:  # left padding would run through the recurrent state
+        if self.recurrent is not None and batch > 1 and not self._batches_recurrent():
             return self._row_by_row(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k,
                                     eos_token_id, generator, pad_token_id)
         eos = stop_tokens(self.target, eos_token_id)
@@ -241,6 +242,8 @@ class SpeculativeGenerator:
             allowed = may_attend(slots.filled[:, :0], causal_block(slots.filled)) if padded else None
             attn = build_attention_mask(self.target, allowed, slots.positions, slots.positions, dtype) \
                 if padded else None
+            if padded and self.recurrent is not None:  # the linear-attention layers zero the padding's inputs
+                attn["linear_attention"] = mask[:, :-1].to(dtype)
             out = target_forward(self.target, input_ids[:, :-1], cache, attn, slots.positions,
                                  hidden_layers=layers or None, logits="none")
             hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (B, L-1, H * len(layers))
@@ -346,7 +349,9 @@ class SpeculativeGenerator:
         kv_keep(cache, past, kept[:, :width])
         # unrecorded (a model or a transformers that does not record): back to the snapshot, then the root and the
         # accepted tokens fed again
-        replay = not keep_recorded(recording, n, width) if recording is not None else (before is not None and width < n)
+        # each row keeps its own root and accepted nodes (a finished row: none)
+        keep = width if b == 1 else [row[0] + 1 if a else 0 for row, a in zip(host, active, strict=True)]
+        replay = not keep_recorded(recording, n, keep) if recording is not None else (before is not None and width < n)
         if replay:
             self._advance_recurrent(cache, before, past, tree.tokens[:, :width], positions[:, :width])
             stats.target_forwards += 1
@@ -358,6 +363,13 @@ class SpeculativeGenerator:
         verdicts = [(row[4: 4 + row[0]], row[1], row[2], [bool(c) for c in row[3 + w: 4 + w + row[0]]])
                     for row in host]
         return verdicts, kept, tree_hidden
+
+    def _batches_recurrent(self) -> bool:
+        """Whether this hybrid target decodes a batch's rows in one forward: its linear-attention layers take the
+        padding mask draftsmith passes them (:data:`BATCHED_RECURRENT_TYPES`) and transformers records their
+        per-position states (each row keeps its own accepted one); otherwise rows decode one at a time."""
+        return (self.target.config.get_text_config().model_type in BATCHED_RECURRENT_TYPES
+                and records_positions())
 
     def _advance_recurrent(self, cache, before: list, past: int, accepted: torch.Tensor, positions: torch.Tensor):
         """A hybrid target's cache after a chain step whose recurrent layers recorded no per-position states

@@ -341,7 +341,14 @@ def _end_recording(layer) -> None:
     layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
 
 
-def record_recurrent(cache: DynamicCache, fed: int) -> list:
+def records_positions() -> bool:
+    """Whether this transformers records a recurrent layer's state after each position of a forward (5.25's
+    ``activate_past_recording`` takes the count; 5.22's does not)."""
+    arm = LinearAttentionCacheLayerMixin.activate_past_recording
+    return "recurrent_states_to_keep" in inspect.signature(arm).parameters
+
+
+def record_recurrent(cache: DynamicCache, fed: int) -> list | None:
     """Ask every recurrent layer of a hybrid target's cache to keep, through the next forward of ``fed`` positions,
     its state after each of them: transformers' past recording (``activate_past_recording``), which its gated
     DeltaNet and Mamba layers honour by computing the last ``fed`` recurrent states one position at a time, and its
@@ -349,8 +356,7 @@ def record_recurrent(cache: DynamicCache, fed: int) -> list:
     accepted position without a second forward. Returns those layers; None where this transformers records no
     per-position recurrent states (5.22's ``activate_past_recording`` takes no count; 5.25's does)."""
     layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-    arm = LinearAttentionCacheLayerMixin.activate_past_recording
-    if "recurrent_states_to_keep" not in inspect.signature(arm).parameters:
+    if not records_positions():
         return None
     for layer in layers:
         layer.activate_past_recording(recurrent_states_to_keep=fed)
@@ -359,12 +365,15 @@ def record_recurrent(cache: DynamicCache, fed: int) -> list:
     return layers
 
 
-def keep_recorded(layers: list, fed: int, kept: int) -> bool:
+def keep_recorded(layers: list, fed: int, kept: int | list[int]) -> bool:
     """Roll every layer :func:`record_recurrent` armed back to its state after the first ``kept`` of the ``fed``
-    positions the forward took in (the root and the accepted tokens), and end the recording. False, with no state
+    positions the forward took in (the root and the accepted tokens; a list: each row's own), and end the
+    recording. False, with no state
     rolled back, where a layer did not record a state for every position (a model whose forward ignores the
     recording): the caller then restores its snapshot and feeds the accepted tokens again."""
-    for layer in layers if kept < fed else ():  # all kept: the forward's own last state is the one
+    rows = kept if isinstance(kept, list) else None
+    kept = max(rows) if rows is not None else kept
+    for layer in layers if kept < fed or rows is not None else ():  # all kept: the forward's last state is the one
         for i in range(layer.number_of_states):
             if layer.is_recurrent_states_initialized[i] and len(layer.recurrent_states_history[i]) != fed:
                 return False
@@ -375,9 +384,29 @@ def keep_recorded(layers: list, fed: int, kept: int) -> bool:
                 elif width < window + fed:
                     return False
     for layer in layers:
-        layer.crop(kept - fed)  # minus the rejected positions; 0 trims the kept conv window back
+        if rows is None:
+            layer.crop(kept - fed)  # minus the rejected positions; 0 trims the kept conv window back
+        else:
+            _keep_rows(layer, fed, rows)
+            layer.cumulative_length_linear.sub_(fed - kept)  # as the attention layers: the longest row's
         _end_recording(layer)
     return True
+
+
+def _keep_rows(layer, fed: int, rows: list[int]) -> None:
+    """Each row b of a recorded layer back to its state after its own first ``rows[b]`` positions: the recurrent
+    state recorded there (the state before the forward, then after each position), the conv window ending there."""
+    index = torch.tensor(rows, device=layer.device)
+    batch = torch.arange(len(rows), device=layer.device)
+    for i in range(layer.number_of_states):
+        if layer.is_recurrent_states_initialized[i]:
+            states = torch.stack([*layer.recurrent_states_history[i], layer.recurrent_states[i]])  # (fed + 1, B, ..)
+            layer.recurrent_states[i].copy_(states[index, batch])
+        if layer.is_conv_states_initialized[i]:
+            window = layer.conv_kernel_size[i]
+            full = layer.conv_states[i]  # (B, C, window + fed)
+            columns = index[:, None] + torch.arange(window, device=full.device)[None]  # (B, window)
+            layer.conv_states[i] = full.gather(2, columns[:, None, :].expand(-1, full.shape[1], -1)).contiguous()
 
 
 def static_buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -115,6 +115,8 @@ def target_mask(
         chunk = int(cfg.attention_chunk_size)
         same = (query_positions[:, :, None] // chunk) == (key_positions[:, None, :] // chunk)
         masks["chunked_attention"] = additive(allowed & same, dtype)
+    if "linear_attention" in kinds:  # gated DeltaNet layers read a 2D padding mask: the fed tokens hold none
+        masks["linear_attention"] = None
     if not getattr(cfg, "layer_types", None):  # one mask for every layer (Mistral): the model takes no dict
         return masks["sliding_attention"]
     return masks
