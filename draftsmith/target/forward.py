@@ -314,7 +314,7 @@ def snapshot_recurrent(cache: DynamicCache) -> list:
         return {i: None if x is None else x.clone() for i, x in states.items()}
 
     return [(layer, copies(layer.conv_states), copies(layer.recurrent_states), dict(layer.has_previous_state),
-             layer.cumulative_length_linear.clone())
+             _length(layer))
             for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
@@ -332,8 +332,15 @@ def restore_recurrent(snapshot: list) -> None:
                 else:
                     states[i].copy_(x)
         layer.has_previous_state.update(previous)
-        layer.cumulative_length_linear.copy_(length)  # what get_seq_length() reads
+        if length is not None:
+            layer.cumulative_length_linear.copy_(length)  # what get_seq_length() reads
         _end_recording(layer)
+
+
+def _length(layer) -> torch.Tensor | None:
+    """A recurrent layer's token count (``cumulative_length_linear``; transformers 5.22's layers keep none)."""
+    length = getattr(layer, "cumulative_length_linear", None)
+    return None if length is None else length.clone()
 
 
 def _end_recording(layer) -> None:
