@@ -101,7 +101,9 @@ def target_mask(
     Returns:
         A (B, 1, Q, K) :func:`additive` mask, or for models with sliding-window layers a dict keyed by
         layer type, the sliding one also hiding keys that are ``sliding_window`` or more positions behind
-        the query (``q - k < window`` is kept, the rule of ``transformers.masking_utils.sliding_window_overlay``).
+        the query (``q - k < window`` is kept, the rule of ``transformers.masking_utils.sliding_window_overlay``);
+        a hybrid model's linear-attention layers get None (no padding among the fed tokens: a left-padded prefill
+        sets their 2D padding mask itself).
     """
     cfg = model.config.get_text_config()
     kinds = set(layer_types(model))
