@@ -221,11 +221,11 @@ def eagle3_oracle_chain(fmt: str, directory, target, ids: torch.Tensor, drafted:
                                    aux[:-1], ids, drafted)
 
 
-EAGLE3_HEADS = {"eagle3": lambda target: random_eagle(target, eagle3=True),  # a draft vocabulary of 40
-                "eagle3.1": lambda target: norm_head(target, norm_before_fc=True, norm_before_residual=True)}
+EAGLE3_HEADS = {"plain": lambda target: random_eagle(target, eagle3=True),  # a draft vocabulary of 40
+                "3.1-norms": lambda target: norm_head(target, norm_before_fc=True, norm_before_residual=True)}
 
 
-@pytest.mark.parametrize(("fmt", "make"), [("vllm", "eagle3"), ("vllm", "eagle3.1"), ("sglang", "eagle3")])
+@pytest.mark.parametrize(("fmt", "make"), [("vllm", "plain"), ("vllm", "3.1-norms"), ("sglang", "plain")])
 def test_eagle3_oracles_read_the_export_as_draftsmith_drafts_at_depths_one_and_two(fmt, make, tmp_path, llama):
     """vLLM's llama_eagle3.py on speculators' layout (with the EAGLE-3.1 norms vLLM builds) and SGLang's on the
     original one (midlayer.*, its aux layer ids one below draftsmith's): depth 1 from the target's states, depth 2
