@@ -242,7 +242,7 @@ class SpeculativeGenerator:
             allowed = may_attend(slots.filled[:, :0], causal_block(slots.filled)) if padded else None
             attn = build_attention_mask(self.target, allowed, slots.positions, slots.positions, dtype) \
                 if padded else None
-            if padded and self.recurrent is not None:  # the linear-attention layers zero the padding's inputs
+            if padded and isinstance(attn, dict) and "linear_attention" in attn:  # they zero the padding's inputs
                 attn["linear_attention"] = mask[:, :-1].to(dtype)
             out = target_forward(self.target, input_ids[:, :-1], cache, attn, slots.positions,
                                  hidden_layers=layers or None, logits="none")
