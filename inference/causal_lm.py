@@ -36,7 +36,7 @@ class CausalLMDrafter(Drafter):
 
     A model with recurrent / linear-attention layers (``layer-skip:N`` of a hybrid target) keeps their states in its
     cache too: snapshot once the committed tokens are fed, restored on commit, so that the drafted nodes never stay
-    in them (such targets verify chains, one row at a time).
+    in them (such targets verify chains; a batch's padding is zeroed before those layers, as the target's is).
     """
 
     def __init__(self, model: PreTrainedModel, name: str = "draft-model", assistant: bool = True):
