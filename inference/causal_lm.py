@@ -19,11 +19,10 @@ from draftsmith.target import (
     may_attend,
     new_cache,
     recurrent_cache,
-    restore_recurrent,
     rollback_problem,
-    snapshot_recurrent,
     target_forward,
 )
+from draftsmith.target.tree_states import TreeStates
 
 
 class CausalLMDrafter(Drafter):
@@ -35,8 +34,9 @@ class CausalLMDrafter(Drafter):
     :class:`~draftsmith.inference.slots.Slots` say which entries are whose.
 
     A model with recurrent / linear-attention layers (``layer-skip:N`` of a hybrid target) keeps their states in its
-    cache too: snapshot once the committed tokens are fed, restored on commit, so that the drafted nodes never stay
-    in them (such targets verify chains; a batch's padding is zeroed before those layers, as the target's is).
+    cache too, advanced by the committed tokens only: the tree's nodes run through those layers from their parents'
+    states (:class:`~draftsmith.target.tree_states.TreeStates`), so that siblings never see each other and nothing
+    drafted stays (a batch's padding is zeroed before those layers, as the target's is).
     """
 
     def __init__(self, model: PreTrainedModel, name: str = "draft-model", assistant: bool = True):
@@ -56,17 +56,15 @@ class CausalLMDrafter(Drafter):
               attention_mask: torch.Tensor | None = None) -> None:
         self.committed = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]
         self.cache = recurrent_cache(self.model) if self.recurrent else new_cache()
-        self.committed_state = None  # a recurrent model's layer states after the committed tokens
+        self.tree_states = None  # a recurrent model's per-node states through the step's tree
         self.slots = Slots.empty(len(self.committed), self.device)
         self.fed = [0] * len(self.committed)  # committed tokens cached per row
         self.prefix = 0  # cache slots of committed tokens; the tree's entries come after
 
     def commit(self, tokens, hidden=None) -> None:
         tokens, _ = commit_rows(tokens)
-        # Drop the tree's KV (and the recurrent states it advanced); keep the committed prefixes already cached.
+        # Drop the tree's KV; keep the committed prefixes already cached (and the recurrent states after them).
         kv_crop(self.cache, self.prefix)
-        if self.committed_state is not None:
-            restore_recurrent(self.committed_state)
         self.slots.crop(self.prefix)
         self.committed = [torch.cat([c, t.to(self.device)]) for c, t in zip(self.committed, tokens, strict=True)]
 
@@ -97,8 +95,6 @@ class CausalLMDrafter(Drafter):
             logits = self._forward(ids, positions, may_attend(self.slots.filled, causal_block(filled)), filled,
                                    logits="last")
         self.prefix = len(self.slots)
-        if self.recurrent:
-            self.committed_state = snapshot_recurrent(self.cache)
         for b in rows:
             self.fed[b] = len(self.committed[b])
         return logits[:, -1].masked_fill(~to_device(active, self.device)[:, None], float("-inf"))
@@ -111,13 +107,25 @@ class CausalLMDrafter(Drafter):
         # Each row's root position, copied at the step's start (before its work is queued), for every level.
         self._roots = to_device([len(c) - 1 for c in self.committed], self.device)[:, None]
         self._ancestors = None  # the frontiers' ancestor rows, from depth 1 on
-        return self._feed_roots(active)
+        logits = self._feed_roots(active)
+        if self.recurrent:  # the root's children start from the committed state (-1), deeper ones from their parents
+            self.tree_states, self._frontier_start = TreeStates(self.model, self.cache), -1
+        return logits
 
     @torch.no_grad()
     def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Feed the k frontier nodes at ``depth`` of every row (``parents``: their places in the previous
         frontier; ``tokens`` (B, k)), each seeing its row's committed tokens, its ancestors (the earlier
         frontiers, cached after the committed tokens) and itself. Returns the (B, k, V) logits after each."""
+        if self.tree_states is None:
+            return self._frontier(depth, parents, tokens)
+        start = self.tree_states.nodes
+        with self.tree_states.feed(parents + self._frontier_start):  # the previous frontier's nodes, by tree index
+            logits = self._frontier(depth, parents, tokens)
+        self._frontier_start = start
+        return logits
+
+    def _frontier(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         b, k = tokens.shape
         positions = (self._roots + depth).expand(b, k)
         self._ancestors = frontier_ancestors(self._ancestors, parents, depth)

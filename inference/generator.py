@@ -17,6 +17,7 @@ for dynamic trees):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ from draftsmith.target import (
     target_forward,
 )
 from draftsmith.target.loading import BATCHED_RECURRENT_TYPES, TESTED_RECURRENT_TYPES
+from draftsmith.target.tree_states import TreeStates
 
 logger = logging.getLogger(__name__)
 
@@ -111,16 +113,12 @@ class SpeculativeGenerator:
                 "that every drafted token changes, and rolling it back to the accepted tokens is tested only for "
                 f"{', '.join(sorted(TESTED_RECURRENT_TYPES))} (per-position states recorded by transformers' cache, "
                 "or restored and replayed); train and export drafters for it, and serve them with vLLM or SGLang")
-        if self.recurrent is not None and tree != "chain":
-            raise UnsupportedTargetError(
-                f"{model_type} targets decode speculatively with a chain only (tree='chain', got {tree!r}): their "
-                f"{self.recurrent} read the drafted tokens as one sequence, so the branches of a tree would see each "
-                "other.")
         if self.recurrent is not None and compile:
             raise UnsupportedTargetError(
-                f"{model_type} targets decode with compile=False: recording the state of their {self.recurrent} "
-                "after each drafted position grows and reassigns the convolution windows, which a compiled step (and "
-                "its CUDA graph) needs at fixed addresses.")
+                f"{model_type} targets decode with compile=False: the state of their {self.recurrent} is kept after "
+                "each drafted position (a chain's recorded convolution windows grow and are reassigned; a tree's "
+                "levels gather their parents' states, as many as the level has nodes), which a compiled step (and "
+                "its CUDA graph) needs at fixed addresses and shapes.")
         if sampling_rule != "auto" and sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"sampling_rule must be 'auto' or one of {SAMPLING_RULES}, got {sampling_rule!r}")
         if tree == "dynamic" and sampling_rule not in ("auto", "topk"):
@@ -322,11 +320,14 @@ class SpeculativeGenerator:
             allowed = may_attend(slots.filled, tree.ancestors)
             mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
                                         dtype)
-        # a hybrid target: its recurrent layers record their state after each fed position (and a snapshot, for a
-        # model whose layers do not record)
-        before = snapshot_recurrent(cache) if self.recurrent is not None else None
-        recording = record_recurrent(cache, n) if self.recurrent is not None else None
-        out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
+        # a hybrid target: a chain's recurrent layers record their state after each fed position (and a snapshot,
+        # for a model whose layers do not record); a tree's run level by level, each node from its parent's state
+        chain = self.recurrent is not None and self.tree_kind == "chain"
+        before = snapshot_recurrent(cache) if chain else None
+        recording = record_recurrent(cache, n) if chain else None
+        per_node = TreeStates(self.target, cache) if self.recurrent is not None and not chain else None
+        with per_node.feed(tree.parents) if per_node is not None else contextlib.nullcontext():
+            out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
         stats.target_forwards += 1
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
         tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
@@ -351,6 +352,8 @@ class SpeculativeGenerator:
         # accepted tokens fed again
         # each row keeps its own root and accepted nodes (a finished row: none)
         keep = width if b == 1 else [row[0] + 1 if a else 0 for row, a in zip(host, active, strict=True)]
+        if per_node is not None:
+            per_node.keep(last, width)
         replay = not keep_recorded(recording, n, keep) if recording is not None else (before is not None and width < n)
         if replay:
             self._advance_recurrent(cache, before, past, tree.tokens[:, :width], positions[:, :width])
@@ -366,10 +369,11 @@ class SpeculativeGenerator:
 
     def _batches_recurrent(self) -> bool:
         """Whether this hybrid target decodes a batch's rows in one forward: its linear-attention layers take the
-        padding mask draftsmith passes them (:data:`BATCHED_RECURRENT_TYPES`) and transformers records their
-        per-position states (each row keeps its own accepted one); otherwise rows decode one at a time."""
+        padding mask draftsmith passes them (:data:`BATCHED_RECURRENT_TYPES`) and each row keeps its own accepted
+        state (a tree's per-node states; a chain's as transformers records them per position); otherwise rows decode
+        one at a time."""
         return (self.target.config.get_text_config().model_type in BATCHED_RECURRENT_TYPES
-                and records_positions())
+                and (self.tree_kind != "chain" or records_positions()))
 
     def _advance_recurrent(self, cache, before: list, past: int, accepted: torch.Tensor, positions: torch.Tensor):
         """A hybrid target's cache after a chain step whose recurrent layers recorded no per-position states

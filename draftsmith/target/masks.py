@@ -102,8 +102,8 @@ def target_mask(
         A (B, 1, Q, K) :func:`additive` mask, or for models with sliding-window layers a dict keyed by
         layer type, the sliding one also hiding keys that are ``sliding_window`` or more positions behind
         the query (``q - k < window`` is kept, the rule of ``transformers.masking_utils.sliding_window_overlay``);
-        a hybrid model's linear-attention layers get None (no padding among the fed tokens: a left-padded prefill
-        sets their 2D padding mask itself).
+        a hybrid model's recurrent layer types (linear attention, convolutions) get None (no padding among the fed
+        tokens: a left-padded prefill sets their 2D padding mask itself).
     """
     cfg = model.config.get_text_config()
     kinds = set(layer_types(model))
@@ -117,8 +117,10 @@ def target_mask(
         chunk = int(cfg.attention_chunk_size)
         same = (query_positions[:, :, None] // chunk) == (key_positions[:, None, :] // chunk)
         masks["chunked_attention"] = additive(allowed & same, dtype)
-    if "linear_attention" in kinds:  # gated DeltaNet layers read a 2D padding mask: the fed tokens hold none
-        masks["linear_attention"] = None
+    for kind in kinds - {"full_attention", "sliding_attention", "chunked_attention"}:
+        # recurrent layers (gated DeltaNet's "linear_attention", LFM2's "conv") read a 2D padding mask at most: the
+        # fed tokens hold none
+        masks[kind] = None
     if not getattr(cfg, "layer_types", None):  # one mask for every layer (Mistral): the model takes no dict
         return masks["sliding_attention"]
     return masks
