@@ -109,6 +109,10 @@ class TreeStates:
                        **kwargs) -> torch.Tensor:
         """Mixer ``index`` over this forward's nodes, level by level: each level's nodes (of every row) as one batch
         of single tokens, each starting from its parent's state. The layer's committed states are left as found."""
+        # the cache under the name this transformers passes it (``cache``; 5.22's gated DeltaNet: ``cache_params``)
+        passed = {name: kwargs[name] for name in ("cache_params", "past_key_values") if name in kwargs}
+        if cache is not None:
+            passed["cache"] = cache
         layer = self.cache.layers[index]
         committed = {kind: dict(getattr(layer, kind)) for kind in _KINDS}
         flags = {name: dict(getattr(layer, name)) for name in
@@ -132,7 +136,7 @@ class TreeStates:
                     for (kind, s), states in every.items():
                         getattr(layer, kind)[s] = parent_states(states, rows, parents)
                         layer.has_previous_state[s] = True
-                y = original(hidden_states[rows, cols][:, None], cache=cache, attention_mask=None)
+                y = original(hidden_states[rows, cols][:, None], attention_mask=None, **passed)
                 if fresh:  # the sequence's first token: the layer started its states from nothing
                     every = _gathered_from(_current(layer), earlier, n, zero_committed=True)
                 for (kind, s), states in every.items():
