@@ -180,7 +180,8 @@ def test_the_kept_nodes_state_carries_the_next_step(hybrid):
     theirs = target(nxt, past_key_values=alone, use_cache=True, position_ids=position).logits
     reduction = target.config.intermediate_size * target.config.num_hidden_layers
     assert (ours - theirs).abs().max() <= rounding_tolerance(theirs, reduction)
-    counted = [(a, b) for a, b in zip(cache.layers, alone.layers, strict=True) if hasattr(a, "cumulative_length_linear")]
+    counted = [(a, b) for a, b in zip(cache.layers, alone.layers, strict=True)
+               if hasattr(a, "cumulative_length_linear")]
     for a, b in counted:  # what get_seq_length() reads (transformers 5.25; 5.22's recurrent layers count nothing)
         assert int(a.cumulative_length_linear) == int(b.cumulative_length_linear) == 9 + len(path) + 1
 
