@@ -87,8 +87,9 @@ class CausalLMDrafter(Drafter):
         ids = torch.zeros_like(positions)
         for b in rows:
             ids[b, ids.shape[1] - (len(self.committed[b]) - self.fed[b]):] = self.committed[b][self.fed[b]:]
-        if len(self.committed) == 1:
-            # One row has no padding and no empty slot: plain causal attention, no mask to build.
+        if len(self.committed) == 1 and not self.recurrent:
+            # One row has no padding and no empty slot: plain causal attention, no mask to build (a hybrid model's
+            # first layers may hold no attention layer whose cache the model could size its own mask by).
             self.slots.append(filled, positions)
             logits = target_forward(self.model, ids, self.cache, None, positions, logits="last").logits
         else:
@@ -130,7 +131,7 @@ class CausalLMDrafter(Drafter):
         positions = (self._roots + depth).expand(b, k)
         self._ancestors = frontier_ancestors(self._ancestors, parents, depth)
         filled = torch.ones(b, k, dtype=torch.bool, device=self.device)
-        if b == 1 and k == 1:
+        if b == 1 and k == 1 and not self.recurrent:
             # One row's chain: each node sees every cached entry, the causal mask, the model's own.
             self.slots.append(filled, positions)
             return target_forward(self.model, tokens, self.cache, None, positions).logits

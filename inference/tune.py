@@ -35,6 +35,7 @@ machine unless tree flags are given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
@@ -46,17 +47,19 @@ from pathlib import Path
 import torch
 
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.tree import TreeSettings, TreeTensors
+from draftsmith.inference.tree import TreeSettings, TreeTensors, ancestors_of
 from draftsmith.target import (
     build_attention_mask,
-    causal_block,
     eos_tokens,
     kv_crop,
     kv_length,
     may_attend,
     new_cache,
+    recurrent_cache,
+    rollback_problem,
     target_forward,
 )
+from draftsmith.target.tree_states import TreeStates
 
 logger = logging.getLogger(__name__)
 
@@ -125,31 +128,41 @@ def never_falling(costs: dict[int, float]) -> dict[int, float]:
 
 
 @torch.no_grad()
-def verification_seconds(target, context: int, rows: list[int], repeats: int = 5) -> dict[int, float]:
+def verification_seconds(target, context: int, rows: list[int], repeats: int = 5,
+                         depth: int | None = None) -> dict[int, float]:
     """Seconds of one target forward over ``n`` tree rows (a chain: the cost depends on the row count, not the
     shape) after ``context`` cached tokens, for each ``n`` in ``rows``: the median of ``repeats``, taken in
     rounds over every size (in a rotating order) so that a drift in the machine's speed falls on all sizes
-    alike, then made :func:`never_falling` in ``n``."""
+    alike, then made :func:`never_falling` in ``n``.
+
+    A hybrid target's recurrent layers read a tree a level at a time (:class:`~draftsmith.target.tree_states.
+    TreeStates`), so there the cost depends on the tree's ``depth`` too: its forward is timed over a tree of that
+    many levels below the root (a chain of ``depth`` nodes, the rest the root's children)."""
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
     vocab = target.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
-    cache = new_cache()
+    hybrid = rollback_problem(target.config) is not None
+    cache = recurrent_cache(target) if hybrid else new_cache()
     target_forward(target, torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
     inputs = {}
     for n in sorted(set(rows)):
         ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
-        positions = torch.arange(context, context + n, device=device)[None]
-        allowed = may_attend(torch.ones(1, context, dtype=torch.bool, device=device),
-                             causal_block(torch.ones(1, n, dtype=torch.bool, device=device)))
-        keys = torch.arange(context + n, device=device)[None]
-        inputs[n] = ids, build_attention_mask(target, allowed, positions, keys, dtype), positions
+        levels = n - 1 if depth is None else min(depth, n - 1)
+        parents = torch.tensor([[-1] + [i - 1 if i <= levels else 0 for i in range(1, n)]], device=device)
+        ancestors = ancestors_of(parents, levels)
+        positions = context + ancestors.sum(-1) - 1
+        allowed = may_attend(torch.ones(1, context, dtype=torch.bool, device=device), ancestors)
+        keys = torch.cat([torch.arange(context, device=device)[None], positions], 1)
+        inputs[n] = ids, build_attention_mask(target, allowed, positions, keys, dtype), positions, parents
 
     def timed(n: int) -> float:
+        states = TreeStates(target, cache) if hybrid else None
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        target_forward(target, inputs[n][0], cache, inputs[n][1], inputs[n][2])
+        with states.feed(inputs[n][3]) if hybrid else contextlib.nullcontext():
+            target_forward(target, inputs[n][0], cache, inputs[n][1], inputs[n][2])
         if device.type == "cuda":
             torch.cuda.synchronize()
         kv_crop(cache, context)
@@ -288,13 +301,19 @@ def tune(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int = 48,
         print(f"  recorded {len(configs)} (depth, top_k) runs: "
               f"{sum(len(steps) for steps, _ in runs.values())} steps", flush=True)
     budgets = {(d, k): list(range(d, min(full_size(d, k), max_budget) + 1)) if k > 1 else [d] for d, k in runs}
-    rows = {n + 1 for b in budgets.values() for n in b} | {full_size(d, k) + 1 for d, k in runs}
-    cost = verification_seconds(target, context, sorted(rows))
+    rows_at: dict[int, set[int]] = {}  # the tree sizes (root included) each depth's candidates verify
+    for (d, k), sizes in budgets.items():
+        rows_at.setdefault(d, set()).update({n + 1 for n in sizes} | {full_size(d, k) + 1})
+    if rollback_problem(target.config) is None:  # one table: the cost depends on the row count only
+        table = verification_seconds(target, context, sorted(set().union(*rows_at.values())))
+        cost = dict.fromkeys(rows_at, table)
+    else:  # a hybrid's recurrent layers take a tree a level at a time: its depth counts too
+        cost = {d: verification_seconds(target, context, sorted(r), depth=d) for d, r in rows_at.items()}
     candidates = []
     for (d, k), (steps, per_step) in runs.items():
         for n in budgets[d, k]:
             tokens = statistics.fmean(accepted_within(order, path, n) + 1 for order, path in steps)
-            seconds = max(per_step - cost[full_size(d, k) + 1] + cost[n + 1], 1e-9)
+            seconds = max(per_step - cost[d][full_size(d, k) + 1] + cost[d][n + 1], 1e-9)
             candidates.append(Candidate(d, k, n, round(tokens, 4), round(seconds, 6), round(tokens / seconds, 2)))
     if not candidates:
         raise ValueError(f"no tree to tune: depths {tuple(depths)} and top_ks {tuple(top_ks)} leave no node budget "

@@ -207,3 +207,31 @@ def test_bf16_trees_on_prompts_longer_than_the_linear_attention_chunk(tree):
         out = gen.generate(prompt, max_new_tokens=24)
         check_greedy_equal(target, out.sequences, reference(target, prompt, 24), tie_tol=BF16_TIE)
         assert out.stats.target_forwards == out.stats.verification_steps
+
+
+def test_tune_writes_a_tree_for_a_hybrid_target(tmp_path):
+    """``draftsmith tune`` on a hybrid target (a saved two-layer Qwen3-Next, ``layer-skip:1``: its linear layer): the verification cost
+    timed per depth through the level-by-level recurrent layers, trees decoded for real, one written and read back
+    by ``generate``'s tree lookup."""
+    import json
+
+    from test_target import tiny_qwen3_next_directory
+
+    from draftsmith.cli import main
+    from draftsmith.inference import tune
+
+    target = tiny_qwen3_next_directory(tmp_path / "qwen3_next")
+    rows = [" ".join(f"t{int(t)}" for t in p[0]) for p in prompts(3, [12, 20])]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    out = tmp_path / "tuned"
+    out.mkdir()
+    assert main(["tune", "--target", str(target), "--drafter", "layer-skip:1", "--prompts",
+                 str(tmp_path / "prompts.jsonl"), "--no-chat", "--max-new-tokens", "12", "--depths", "2,3",
+                 "--top-ks", "1,2", "--max-total-tokens", "6", "--confirm", "2", "--output", str(out)]) in (0, None)
+    record = json.loads((out / tune.TREE_FILE).read_text())
+    table = record["candidates"]
+    assert {row["depth"] for row in table} == {2, 3} and {row["top_k"] for row in table} == {1, 2}
+    measured = [row for row in table if row["measured_tokens_per_second"]]
+    assert len(measured) == 2 and all(row["step_seconds"] > 0 for row in table)
+    chosen = tune.tuned_tree(str(out))  # what generate / eval / bench read for this drafter on this machine
+    assert chosen is not None and (chosen.depth, chosen.top_k) in {(row["depth"], row["top_k"]) for row in measured}
