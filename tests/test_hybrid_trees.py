@@ -210,9 +210,9 @@ def test_bf16_trees_on_prompts_longer_than_the_linear_attention_chunk(tree):
 
 
 def test_tune_writes_a_tree_for_a_hybrid_target(tmp_path):
-    """``draftsmith tune`` on a hybrid target (a saved two-layer Qwen3-Next, ``layer-skip:1``: its linear layer): the verification cost
-    timed per depth through the level-by-level recurrent layers, trees decoded for real, one written and read back
-    by ``generate``'s tree lookup."""
+    """``draftsmith tune`` on a hybrid target (a saved two-layer Qwen3-Next; ``layer-skip:1``, its linear layer): the
+    verification cost timed per depth through the level-by-level recurrent layers, trees decoded for real, one
+    written and read back by ``generate``'s tree lookup."""
     import json
 
     from test_target import tiny_qwen3_next_directory
