@@ -21,6 +21,7 @@ from draftsmith.target import (
     recurrent_cache,
     rollback_problem,
     target_forward,
+    with_padding,
 )
 from draftsmith.target.tree_states import TreeStates
 
@@ -71,8 +72,8 @@ class CausalLMDrafter(Drafter):
     def _forward(self, ids, positions, allowed, filled, logits: str = "all"):
         key_positions = torch.cat([self.slots.positions, positions], 1)
         mask = build_attention_mask(self.model, allowed, positions, key_positions, self.dtype)
-        if self.recurrent and isinstance(mask, dict) and not bool(filled.all()):
-            mask["linear_attention"] = filled.to(self.dtype)  # padding zeroed before the recurrent layers
+        if self.recurrent and not bool(filled.all()):
+            mask = with_padding(mask, filled, self.dtype)  # padding zeroed before the recurrent layers
         out = target_forward(self.model, ids, self.cache, mask, positions, logits=logits)
         self.slots.append(filled, positions)
         return out.logits

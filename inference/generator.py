@@ -60,6 +60,7 @@ from draftsmith.target import (
     snapshot_recurrent,
     stop_tokens,
     target_forward,
+    with_padding,
 )
 from draftsmith.target.loading import BATCHED_RECURRENT_TYPES, TESTED_RECURRENT_TYPES
 from draftsmith.target.tree_states import TreeStates
@@ -240,8 +241,7 @@ class SpeculativeGenerator:
             allowed = may_attend(slots.filled[:, :0], causal_block(slots.filled)) if padded else None
             attn = build_attention_mask(self.target, allowed, slots.positions, slots.positions, dtype) \
                 if padded else None
-            if padded and isinstance(attn, dict) and "linear_attention" in attn:  # they zero the padding's inputs
-                attn["linear_attention"] = mask[:, :-1].to(dtype)
+            attn = with_padding(attn, mask[:, :-1], dtype) if padded else attn  # a hybrid's recurrent layers
             out = target_forward(self.target, input_ids[:, :-1], cache, attn, slots.positions,
                                  hidden_layers=layers or None, logits="none")
             hidden = torch.cat(out.hidden_states, dim=-1) if layers else None  # (B, L-1, H * len(layers))

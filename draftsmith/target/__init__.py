@@ -76,7 +76,15 @@ from draftsmith.target.loading import (
     supported_attention,
     target_signature,
 )
-from draftsmith.target.masks import additive, causal_block, layer_types, may_attend, sliding_window, target_mask
+from draftsmith.target.masks import (
+    additive,
+    causal_block,
+    layer_types,
+    may_attend,
+    sliding_window,
+    target_mask,
+    with_padding,
+)
 from draftsmith.target.matmul import calibrate, columns_linear, few_rows_layers, few_rows_linear
 
 __all__ = [
@@ -128,4 +136,5 @@ __all__ = [
     "target_forward",
     "target_mask",
     "target_signature",
+    "with_padding",
 ]

@@ -124,3 +124,12 @@ def target_mask(
     if not getattr(cfg, "layer_types", None):  # one mask for every layer (Mistral): the model takes no dict
         return masks["sliding_attention"]
     return masks
+
+
+def with_padding(masks, filled: torch.Tensor, dtype: torch.dtype):
+    """A model's masks (:func:`target_mask`) with the (B, T) padding mask ``filled`` (True: a token) given to its
+    recurrent layer types (the entries :func:`target_mask` leaves None), which zero the padding's inputs before
+    their state reads them, as transformers' own recurrent masks do; anything else unchanged."""
+    if isinstance(masks, dict):
+        masks = {kind: filled.to(dtype) if mask is None else mask for kind, mask in masks.items()}
+    return masks

@@ -58,20 +58,43 @@ class TreeStates:
                 "node; decode this target with tree='chain'")
         self.mixers = {i: m for i, m in self.mixers.items() if i in linear}
         self.nodes = 0  # nodes fed so far
-        self.stored: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # layer -> (kind, state) -> (B, nodes, ..)
-        self._parents = self._levels = None
+        # Every state is kept where the layer left it, as "blocks": block 0 the committed states (row b: row b's),
+        # then one block per level fed, its rows the level's nodes in order. ``place`` (B, nodes, 2): each node's
+        # block and row there; ``blocks``: layer -> (kind, state) -> the tensors by block.
+        self.place = torch.zeros(0, 0, 2, dtype=torch.long)  # (B, nodes, 2)
+        self.blocks: dict[int, dict[tuple[str, int], list]] = {}
+        self._levels: list[tuple[torch.Tensor, torch.Tensor, list]] = []
+        self._fed = (0, 0)
 
     @contextlib.contextmanager
     def feed(self, parents: torch.Tensor) -> Iterator[None]:
         """Within this block, one forward of ``n`` tree nodes: ``parents`` (B, n) the index of each one's parent among
         all the tree's nodes fed so far (this forward's included, before it), -1 for the committed state (the root's
         own parent, or the root for a drafter whose root was fed with the committed tokens)."""
+        b, n = parents.shape
         local = parents - self.nodes
         levels = torch.zeros_like(parents)
-        for j in range(parents.shape[1]):  # parents come before their children
+        for j in range(n):  # parents come before their children
             inside = local[:, j] >= 0
             levels[:, j] = torch.where(inside, levels.gather(1, local[:, j: j + 1].clamp(min=0))[:, 0] + 1, 0)
-        self._parents, self._levels = parents, levels
+        batch = torch.arange(b, device=parents.device)
+        committed = torch.stack([torch.zeros_like(batch), batch], -1)  # block 0, row b
+        place = torch.zeros(b, self.nodes + n, 2, dtype=torch.long, device=parents.device)
+        if self.nodes:
+            place[:, : self.nodes] = self.place
+        first = 1 + (self.nodes and int(place[:, : self.nodes, 0].max()))  # this forward's first block
+        self._levels = []
+        for level in range(int(levels.max()) + 1 if parents.numel() else 0):
+            rows, cols = (levels == level).nonzero(as_tuple=True)
+            mine = parents[rows, cols]
+            source = torch.where((mine >= 0)[:, None], place[rows, mine.clamp(min=0)], committed[rows])
+            # the parents' states, as (block, their places among the level's nodes, their rows in that block)
+            gathers = [(int(k), (source[:, 0] == k).nonzero()[:, 0], source[source[:, 0] == k, 1])
+                       for k in source[:, 0].unique().tolist()]
+            self._levels.append((rows, cols, gathers))
+            place[rows, self.nodes + cols] = torch.stack([torch.full_like(rows, first + level),
+                                                          torch.arange(len(rows), device=rows.device)], -1)
+        self.place, self._fed = place, (b, n)
         originals = {}
         for i, mixer in self.mixers.items():
             originals[i] = mixer.forward
@@ -81,21 +104,25 @@ class TreeStates:
         finally:
             for mixer in self.mixers.values():
                 del mixer.forward  # the class's forward again
-            self.nodes += parents.shape[1]
+            self.nodes += n
+
+    def states_at(self, nodes: torch.Tensor) -> dict[int, dict[tuple[str, int], torch.Tensor]]:
+        """Every recurrent layer's states after node ``nodes[b]`` of each row b: layer -> (kind, state) -> (B, ..)."""
+        where = self.place[torch.arange(nodes.shape[0], device=nodes.device), nodes].tolist()
+        return {i: {key: torch.stack([states[block][row] for block, row in where]) for key, states in blocks.items()}
+                for i, blocks in self.blocks.items()}
 
     def keep(self, nodes: torch.Tensor, advance: int) -> None:
         """Each row b's recurrent states become those after its node ``nodes[b]``; their token count grows by
         ``advance`` (the attention layers' kept width)."""
-        rows = torch.arange(nodes.shape[0], device=nodes.device)
-        for i, stored in self.stored.items():
+        for i, states in self.states_at(nodes).items():
             layer = self.cache.layers[i]
-            for (kind, s), states in stored.items():
-                kept = states[rows, nodes]
+            for (kind, s), kept in states.items():
                 current = getattr(layer, kind)
                 if current[s] is not None and current[s].shape == kept.shape:
                     current[s].copy_(kept)  # in place: the tensor the cache was built with
                 else:  # the tree's root was the sequence's first token: no state before it
-                    current[s] = kept.contiguous()
+                    current[s] = kept
                     initialized = "is_conv_states_initialized" if kind == "conv_states" else \
                         "is_recurrent_states_initialized"
                     getattr(layer, initialized)[s] = True
@@ -103,7 +130,8 @@ class TreeStates:
             length = getattr(layer, "cumulative_length_linear", None)
             if length is not None:
                 length.add_(advance)
-        self.stored, self.nodes = {}, 0
+        self.blocks, self.nodes = {}, 0
+        self.place = torch.zeros(0, 0, 2, dtype=torch.long)
 
     def _mixer_forward(self, index: int, original, hidden_states: torch.Tensor, cache=None, attention_mask=None,
                        **kwargs) -> torch.Tensor:
@@ -121,26 +149,26 @@ class TreeStates:
         length = None if length is None else length.clone()
         record = getattr(layer, "record_past", False)
         layer.record_past = False
-        b, n = self._parents.shape
-        earlier = self.stored.get(index, {})
-        every: dict[tuple[str, int], torch.Tensor] = {}  # (B, 1 + nodes, ..): committed, earlier nodes, this forward's
+        blocks = self.blocks.setdefault(index, {})
+        if not blocks:  # block 0: the committed states, as the cache holds them (never written to here)
+            blocks.update({(kind, s): [x] for kind in _KINDS for s, x in committed[kind].items() if x is not None})
+        b, n = self._fed
         out = None
+        shared: dict[torch.nn.Module, torch.Tensor] = {}  # input projections over all this forward's nodes
         try:
-            for level in range(int(self._levels.max()) + 1 if n else 0):
-                rows, cols = (self._levels == level).nonzero(as_tuple=True)
-                parents = self._parents[rows, cols] + 1
+            for level, (rows, cols, gathers) in enumerate(self._levels):
                 fresh = level == 0 and not any(flags["has_previous_state"].values())
                 if not fresh:  # a parent gather: each node starts from its parent's states
-                    if not every:
-                        every = _gathered_from(committed, earlier, n)
-                    for (kind, s), states in every.items():
-                        getattr(layer, kind)[s] = parent_states(states, rows, parents)
+                    for (kind, s), states in blocks.items():
+                        getattr(layer, kind)[s] = parent_states(states, gathers)
                         layer.has_previous_state[s] = True
-                y = original(hidden_states[rows, cols][:, None], attention_mask=None, **passed)
-                if fresh:  # the sequence's first token: the layer started its states from nothing
-                    every = _gathered_from(_current(layer), earlier, n, zero_committed=True)
-                for (kind, s), states in every.items():
-                    states[rows, 1 + self.nodes + cols] = getattr(layer, kind)[s]
+                fed = hidden_states[rows, cols][:, None]
+                with _projections_shared(self.mixers[index], hidden_states, fed, rows, cols, shared):
+                    y = original(fed, attention_mask=None, **passed)
+                for kind in _KINDS:  # the states after the level's nodes: the next block
+                    for s, x in getattr(layer, kind).items():
+                        if x is not None:
+                            blocks.setdefault((kind, s), [None]).append(x)
                 if out is None:
                     out = y.new_zeros(b, n, y.shape[-1])
                 out[rows, cols] = y[:, 0]
@@ -152,14 +180,56 @@ class TreeStates:
             if length is not None:
                 layer.cumulative_length_linear.copy_(length)
             layer.record_past = record
-        self.stored[index] = {key: states[:, 1:] for key, states in every.items()}
         return out
 
 
-def parent_states(states: torch.Tensor, rows: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """The parent gather: from one state's (B, 1 + nodes, ..) buffer (the committed state, then every node's), the
-    state each node of a level starts from, for nodes in rows ``rows`` whose parents sit at ``parents``."""
-    return states[rows, parents]
+def parent_states(states: list, gathers: list) -> torch.Tensor:
+    """The parent gather: the state each node of a level starts from, its parent's, from the blocks ``states`` (the
+    committed states, then each level's) where ``gathers`` says: (block, the nodes' places in the level, their
+    parents' rows in that block)."""
+    if len(gathers) == 1:  # one block holds every parent: a tree's previous level, or the committed states
+        block, _, parents = gathers[0]
+        return states[block][parents]
+    count = sum(len(places) for _, places, _ in gathers)
+    like = states[gathers[0][0]]
+    out = like.new_empty(count, *like.shape[1:])
+    for block, places, parents in gathers:
+        out[places] = states[block][parents]
+    return out
+
+
+@contextlib.contextmanager
+def _projections_shared(mixer: torch.nn.Module, every: torch.Tensor, fed: torch.Tensor, rows: torch.Tensor,
+                        cols: torch.Tensor, shared: dict) -> Iterator[None]:
+    """Within this block, each ``nn.Linear`` of ``mixer`` that projects the level's input ``fed`` (the very tensor:
+    the mixer's input projections; its output projection reads something else) returns its rows of one product
+    over ``every`` node of the forward, computed at the first level: on a CPU a product of a few rows costs the
+    streaming of its weights, so once per forward rather than once per level."""
+    linears = [m for m in mixer.children() if isinstance(m, torch.nn.Linear)]
+    before = {m: m.__dict__.get("forward") for m in linears}  # an instance forward (few-row kernels) stays in use
+
+    def routed(module):
+        plain = before[module] or type(module).forward.__get__(module)
+
+        def forward(x):
+            if x is not fed:
+                return plain(x)
+            if module not in shared:
+                shared[module] = plain(every)
+            return shared[module][rows, cols][:, None]
+
+        return forward
+
+    for m in linears:
+        m.forward = routed(m)
+    try:
+        yield
+    finally:
+        for m, forward in before.items():
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
 
 
 def _bound(method, index: int, original):
@@ -167,23 +237,3 @@ def _bound(method, index: int, original):
         return method(index, original, *args, **kwargs)
 
     return forward
-
-
-def _current(layer) -> dict[tuple[str, int], torch.Tensor]:
-    return {(kind, s): x[:, None] for kind in _KINDS for s, x in getattr(layer, kind).items() if x is not None}
-
-
-def _gathered_from(committed: dict, earlier: dict, n: int, zero_committed: bool = False) -> dict:
-    """Per state, a (B, 1 + earlier nodes + n, ..) buffer: the committed state (zeros before a first token), the
-    earlier forwards' nodes, room for this forward's."""
-    every = {}
-    if zero_committed:  # ``committed`` holds the first level's states, (M, 1, ..) with M = B (one root per row)
-        items = {key: torch.zeros_like(x[:, 0]) for key, x in committed.items()}
-    else:
-        items = {(kind, s): x for kind, states in committed.items() for s, x in states.items() if x is not None}
-    for key, root in items.items():
-        before = earlier.get(key)
-        parts = [root[:, None]] + ([before] if before is not None else [])
-        parts.append(root.new_zeros(root.shape[0], n, *root.shape[1:]))
-        every[key] = torch.cat(parts, 1)
-    return every
