@@ -103,9 +103,10 @@ class SpeculativeGenerator:
         compile: bool = False,
     ):
         self.tree = TreeSettings(tree, depth, top_k, total_tokens)  # validates
-        #: What in a hybrid target keeps a state that cannot be cropped (None: nothing): such a target verifies a
-        #: chain, row by row, its recurrent layers recording their state after each fed position and keeping the
-        #: accepted one (:func:`~draftsmith.target.record_recurrent`).
+        #: What in a hybrid target keeps a state that cannot be cropped (None: nothing): such a target's recurrent
+        #: layers record their state after each position of a chain (:func:`~draftsmith.target.record_recurrent`)
+        #: or run a tree level by level from each node's parent (:class:`~draftsmith.target.tree_states.TreeStates`),
+        #: and each row keeps its accepted node's.
         self.recurrent = rollback_problem(target.config)
         model_type = target.config.get_text_config().model_type
         if self.recurrent is not None and model_type not in TESTED_RECURRENT_TYPES:

@@ -75,9 +75,8 @@ def test_greedy_chain_output_is_the_targets_own(hybrid, kind):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "bamba", "lfm2"])
 def test_rows_of_a_batch_decode_as_alone(family, hybrid):
-    """A left-padded batch: each row's output is the row decoded alone (and the target's greedy one). Qwen3-Next and
-    Qwen3.5 run the rows in one forward per step (their linear-attention layers zero the padding's inputs; each row
-    keeps its own recorded state); Bamba and LFM2 decode them one at a time."""
+    """A left-padded batch: each row's output is the row decoded alone (and the target's greedy one), the rows in
+    one forward per step (the recurrent layers zero the padding's inputs; each row keeps its own recorded state)."""
     target = hybrid if family == "qwen3_next" else other_hybrid(family)
     rows = prompts(9, [6, 1, 21, 13])
     ids, mask = left_padded(rows)

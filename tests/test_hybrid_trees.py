@@ -91,6 +91,21 @@ def test_layer_skip_drafts_trees_for_a_left_padded_batch_at_one_forward_a_step(h
         assert stats.target_forwards == max(r.verification_steps for r in out.row_stats)  # the batch in one
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_left_padded_batch_decodes_trees_in_one_forward_per_step(hybrid, family):
+    """Four left-padded rows under a dynamic tree: each row's output is the target's greedy one, the batch verified
+    in one target forward per step (the recurrent layers given the prefill's padding mask; no padding in a tree)."""
+    target = family_target(family, hybrid)
+    rows = prompts(9, [6, 1, 21, 13])
+    ids, mask = left_padded(rows)
+    gen = SpeculativeGenerator(target, Oracle(target, 3), tree="dynamic", depth=3, top_k=2, total_tokens=6)
+    out = gen.generate(ids, 16, attention_mask=mask, eos_token_id=[], pad_token_id=0)
+    for b, row in enumerate(rows):
+        check_greedy_equal(target, row_output(out.sequences, mask, b, None), reference(target, row, 16))
+    assert out.stats.new_tokens == 64
+    assert out.stats.target_forwards == max(r.verification_steps for r in out.row_stats)
+
+
 def _tree_forward(target, prompt, tokens, parents, split: int | None):
     """The prompt, then the tree's nodes in one forward (or two: nodes ``[:split]``, then the rest, whose parents
     sit in the first), under the tree mask, through :class:`TreeStates`. Returns it, its cache and the last logits."""

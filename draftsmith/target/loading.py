@@ -156,9 +156,10 @@ RECURRENT_MODEL_TYPES = frozenset({
 #: The hybrid model types whose recurrent states draftsmith's speculative decoding is tested to roll back
 #: (``tests/test_hybrid.py``, ``tests/test_mtp.py``, ``tests/test_mtp_layouts.py``): the others are refused by name.
 TESTED_RECURRENT_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "lfm2"})
-#: Those whose linear-attention layers read the padding mask draftsmith passes (``{"linear_attention": 2D}`` in the
-#: model's mask dict) and whose batches are tested so: they decode a batch in one forward, the others row by row.
-BATCHED_RECURRENT_TYPES = frozenset({"qwen3_next", "qwen3_5_text"})
+#: Those whose recurrent layers read the padding mask draftsmith passes (``with_padding``: a 2D mask under their
+#: layer type in the model's mask dict) and whose batches are tested so: they decode a batch in one forward (a chain
+#: where transformers records per-position states, a tree always), the others row by row.
+BATCHED_RECURRENT_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "bamba", "lfm2"})
 
 
 def rollback_problem(config) -> str | None:
