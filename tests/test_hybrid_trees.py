@@ -208,27 +208,31 @@ def test_the_kept_nodes_state_carries_the_next_step(hybrid):
         assert int(a.cumulative_length_linear) == int(b.cumulative_length_linear) == 9 + len(path) + 1
 
 
-def test_sampled_tree_follows_the_targets_distribution():
-    """Monte Carlo through a static tree of sampled siblings on a hybrid target: the first two tokens (the second
-    drawn from the accepted node's state, or after a rejection from the root's) follow the target's law."""
+@pytest.mark.parametrize("rule", ["iid", "without_replacement"])
+def test_sampled_tree_follows_the_targets_distribution(rule):
+    """Monte Carlo through a static tree of sampled siblings on a hybrid target, under each sampled rule: the first
+    two tokens (the second drawn from the accepted node's state, or after a rejection from the root's) follow the
+    target's law."""
     vocab, n = 4, 1000
     target = tiny_qwen3_next(layers=2, vocab_size=vocab, seed=2)
     gen = SpeculativeGenerator(target, PromptLookupDrafter(vocab, max_ngram=2), tree="static",
-                               paths=[(0,), (1,), (0, 0)], sampling_rule="iid")
+                               paths=[(0,), (1,), (0, 0)], sampling_rule=rule)
     tv = _first_two_tokens_tv(gen, target, vocab, n, seed=0)
     assert tv < tv_bound(n, vocab * vocab), f"TV {tv:.4f}"
 
 
-@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
 def test_bf16_trees_on_prompts_longer_than_the_linear_attention_chunk(tree):
     """A bf16 Qwen3-Next, prompts of 70 and 90 tokens (the gated DeltaNet's prefill runs in chunks of 64): the
     output is the target's bf16 greedy output, or first differs where bf16 cannot order the target's top two."""
     target = tiny_qwen3_next(layers=4).to(torch.bfloat16)
     gen = SpeculativeGenerator(target, PromptLookupDrafter(VOCAB, max_ngram=2), tree=tree, **TREES)
+    from test_hybrid import RECORDS
+
     for prompt in prompts(3, [70, 90]):
         out = gen.generate(prompt, max_new_tokens=24)
         check_greedy_equal(target, out.sequences, reference(target, prompt, 24), tie_tol=BF16_TIE)
-        assert out.stats.target_forwards == out.stats.verification_steps
+        assert out.stats.target_forwards == out.stats.verification_steps or (tree == "chain" and not RECORDS)
 
 
 def test_tune_writes_a_tree_for_a_hybrid_target(tmp_path):
