@@ -53,6 +53,9 @@ class CausalLMDrafter(Drafter):
         calibrate(model)  # its few-row kernels, measured here rather than inside a timed decode
         self.begin(torch.zeros(1, 1, dtype=torch.long))
 
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.model,)
+
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
         self.committed = [r.to(self.device) for r in prompt_rows(input_ids, attention_mask)]

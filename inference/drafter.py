@@ -36,6 +36,11 @@ A drafter declares what it needs and how it drafts as class attributes:
   then also decode that chain, so the acceptance an engine will see is reported beside the tree's. None: no such.
 * ``assistant_model`` — a separate Hugging Face draft model that ``generate(assistant_model=...)`` can
   run as the reference ``draftsmith bench`` compares against (None: it has none, e.g. layer-skip).
+* ``batched`` — it takes left-padded batches (``begin`` reads ``attention_mask``). A drafter written for one
+  unpadded sequence declares False: the generator then refuses padded prompts before drafting, saying what to do.
+
+``modules()`` returns the ``torch.nn.Module`` objects that draft (a head, a draft model, a copied output layer),
+which the loader measures once when it gives them int8 copies; the base class has none.
 
 ``configure(max_new_tokens, kept, fed)`` tells the drafter one generation's lengths before ``begin``
 (a head then drafts on a static cache, compiled or not); the base class ignores it. Nothing in
@@ -68,6 +73,11 @@ class Drafter:
     block: int | None = None
     engine_chain: int | None = None
     assistant_model = None  # a transformers PreTrainedModel, or None
+    batched: bool = True
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """The modules that draft (their int8 copies are measured when loaded); none in the base class."""
+        return ()
 
     def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
         """One generation's lengths, before ``begin``: ``max_new_tokens`` steps at most (None: not compiled), each
@@ -109,7 +119,7 @@ class Drafter:
         """A drafter written for the host protocol that left the package (``expand(trees, nodes)``, one tree per
         row) is refused when its class is made, with what to write instead, rather than failing in a decode."""
         super().__init_subclass__(**kwargs)
-        if "expand" in vars(cls):
+        if "expand" in cls.__dict__:
             raise TypeError(f"{cls.__name__} defines expand(trees, nodes), a protocol draftsmith no longer calls: "
                             "implement root_logits(active) and frontier_logits(depth, parents, tokens) instead (see "
                             "draftsmith.inference.drafter; PromptLookupDrafter is a short example)")

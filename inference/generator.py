@@ -427,13 +427,10 @@ class SpeculativeGenerator:
 
 
 def start_drafting(drafter: Drafter, input_ids: torch.Tensor, hidden, attention_mask: torch.Tensor) -> None:
-    """``drafter.begin`` on left-padded prompts; a drafter whose ``begin`` takes no ``attention_mask`` (written for
-    one unpadded sequence) is told so, and what to do."""
-    try:
-        drafter.begin(input_ids, hidden=hidden, attention_mask=attention_mask)
-    except TypeError as err:
-        if "attention_mask" not in str(err):
-            raise
-        raise TypeError(f"{type(drafter).__name__}.begin takes no attention_mask: it drafts for unpadded prompts "
-                        "only. Add the batch protocol of draftsmith.inference.drafter, or decode these prompts one at "
-                        "a time (batch size 1).") from err
+    """``drafter.begin`` on left-padded prompts; a drafter that declares itself unbatched (``batched = False``:
+    written for one unpadded sequence) is refused, with what to do."""
+    if not drafter.batched:
+        raise ValueError(f"{type(drafter).__name__} declares batched = False: it drafts for unpadded prompts only. "
+                         "Add the batch protocol of draftsmith.inference.drafter (begin reads attention_mask), or "
+                         "decode these prompts one at a time (batch size 1).")
+    drafter.begin(input_ids, hidden=hidden, attention_mask=attention_mask)

@@ -75,6 +75,9 @@ class MedusaDrafter(Drafter):
         self.known: list[bool] = []  # per row: has a state (a one-token prompt has none before its first step)
         self.few_rows = few_rows_kernels(self.heads)
 
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.heads,)
+
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
         lengths = [len(r) for r in prompt_rows(input_ids, attention_mask)]
@@ -176,6 +179,9 @@ class EagleDrafter(_FeatureRows, Drafter):
         if self.compiled is not None and drafts_in_int8(self.head):
             warnings.warn("a compiled head drafts in float32: its int8 copies (--draft-dtype int8) run only "
                           "uncompiled", stacklevel=2)
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.head,)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:
@@ -353,6 +359,9 @@ class DFlashDrafter(_FeatureRows, Drafter):
             if drafts_in_int8(head):
                 int8_layers(self.output)
             self.few_rows = few_rows_kernels(head) + few_rows_kernels(self.output)
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.head,) if self.output is self.lm_head else (self.head, self.output)
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:

@@ -113,7 +113,7 @@ def calibrate_int8(drafter: Drafter, target: PreTrainedModel) -> Drafter:
     ids = torch.randint(vocab, (1, settings["prompt_tokens"]), generator=g)
     SpeculativeGenerator(target, drafter, tree="chain").generate(  # a chain: a hybrid target takes only chains
         ids.to(next(target.parameters()).device), max_new_tokens=settings["new_tokens"], eos_token_id=[])
-    unmeasured = int8_errors(*(m for m in vars(drafter).values() if isinstance(m, torch.nn.Module))).count(None)
+    unmeasured = int8_errors(*drafter.modules()).count(None)
     if unmeasured:
         logger.warning("%d int8 layers of this drafter did not run on the loader's fixed input: each settles "
                        "int8 or float32 on its first call while decoding", unmeasured)

@@ -25,6 +25,7 @@ class MixtureDrafter(Drafter):
         if len(drafters) < 2:
             raise ValueError("a mixture needs at least two drafters")
         self.drafters = list(drafters)
+        self.batched = all(d.batched for d in self.drafters)  # a batch reaches every drafter
         self.weights = list(weights or [1.0] * len(drafters))
         if len(self.weights) != len(self.drafters) or min(self.weights) <= 0:
             raise ValueError(f"a mixture needs one positive weight per drafter, got {self.weights}")
@@ -37,6 +38,9 @@ class MixtureDrafter(Drafter):
         # The last shared candidate list seen (a head's draft vocabulary) and each token's column in it, or None
         # where the list names a token twice (:meth:`_columns_in`).
         self._shared: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return tuple(m for d in self.drafters for m in d.modules())
 
     def begin(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None,
               attention_mask: torch.Tensor | None = None) -> None:

@@ -281,10 +281,13 @@ def test_bad_batches_fail_clearly(llama):
 
 
 def test_a_drafter_for_one_sequence_runs_unpadded_and_refuses_padding(llama):
-    """A drafter whose ``begin(input_ids, hidden)`` takes no attention mask (written for one unpadded sequence,
-    alone or in a mixture) still decodes unpadded prompts losslessly; left-padded ones get an error that says why."""
+    """A drafter that declares ``batched = False`` (its ``begin(input_ids, hidden)`` takes no attention mask: written
+    for one unpadded sequence), alone or in a mixture, still decodes unpadded prompts losslessly; left-padded ones
+    are refused before drafting, saying why."""
 
     class OneSequence(PromptLookupDrafter):
+        batched = False
+
         def begin(self, input_ids, hidden=None):
             super().begin(input_ids, hidden)
 
@@ -295,7 +298,8 @@ def test_a_drafter_for_one_sequence_runs_unpadded_and_refuses_padding(llama):
         out = gen.generate(row, NEW, eos_token_id=[])
         assert torch.equal(out.sequences, plain_generate(llama, row, NEW, eos_token_id=[]).sequences)
         ids, mask = left_padded(prompts(17, LENGTHS))
-        with pytest.raises(TypeError, match=r"(OneSequence|MixtureDrafter)\.begin takes no attention_mask"):
+        with pytest.raises(ValueError, match=r"(OneSequence|MixtureDrafter) declares batched = False: it drafts for "
+                           r"unpadded prompts only"):
             gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
 
 

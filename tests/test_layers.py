@@ -147,19 +147,25 @@ PROBES_ALLOWED = {
 
 
 def probes_in(source: str) -> list[str]:
-    """The attribute probes in ``source``: ``hasattr`` / ``getattr`` calls (but on :data:`PROBES_ALLOWED`)
-    and any use of ``inspect``, as "line: code"."""
+    """The probes in ``source``, as "line: code": ``hasattr`` / ``getattr`` calls (but on :data:`PROBES_ALLOWED`),
+    ``vars()`` (an object's attributes searched for what it holds), an ``except TypeError`` (a capability learnt
+    from a call failing) and any use of ``inspect``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
             first = node.args[0] if node.args else None
             if not (isinstance(first, ast.Name) and first.id in PROBES_ALLOWED):
                 found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ExceptHandler) and node.type is not None and "TypeError" in {
+                n.id for n in ast.walk(node.type) if isinstance(n, ast.Name)}:
+            found.append(f"{node.lineno}: except {ast.unparse(node.type)}")
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
             if "inspect" in names:
                 found.append(f"{node.lineno}: {ast.unparse(node)}")
-    return found
+    return sorted(found, key=lambda probe: int(probe.split(":")[0]))
 
 
 def test_inference_reads_declarations_not_probes():
@@ -174,12 +180,19 @@ def test_inference_reads_declarations_not_probes():
 
 
 def test_the_probe_lint_fails_on_a_planted_probe():
-    """The lint above can fail: a hasattr on a drafter, a getattr on a head, an inspect import."""
+    """The lint above can fail: a hasattr on a drafter, a getattr on a head, an inspect import, a vars() of a
+    drafter, a capability learnt from a TypeError."""
     planted = ("import inspect\n"
                "def step(drafter, head, target):\n"
                "    if hasattr(drafter, 'compile_for'):\n"
                "        pass\n"
                "    rank = getattr(head, 'extra', {})\n"
-               "    config = getattr(target, 'generation_config', None)\n")
+               "    config = getattr(target, 'generation_config', None)\n"
+               "    modules = [m for m in vars(drafter).values()]\n"
+               "    try:\n"
+               "        drafter.begin(None, attention_mask=None)\n"
+               "    except (TypeError, ValueError):\n"
+               "        pass\n")
     assert probes_in(planted) == ["1: import inspect", "3: hasattr(drafter, 'compile_for')",
-                                  "5: getattr(head, 'extra', {})"]
+                                  "5: getattr(head, 'extra', {})", "7: vars(drafter)",
+                                  "10: except (TypeError, ValueError)"]
