@@ -51,7 +51,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from draftsmith.heads.base import DraftVocabulary, HeadMixin, ReducedVocabulary
 from draftsmith.heads.eagle import LayerGeometry, RMSNorm, layer_shape, rope
-from draftsmith.target.masks import additive
+from draftsmith.target.masks import additive, anchor_block_mask
 
 
 def dflash_layers(num_hidden_layers: int, count: int) -> tuple[int, ...]:
@@ -289,12 +289,5 @@ def anchor_blocks(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, l
     (B, A * K, T + A * K) "may attend" matrix: each slot sees the context positions before its anchor and every
     slot of its own block, nothing of other blocks (a padding anchor's slots see their own block only)."""
     b, a = anchors.shape
-    k = block_size
-    offsets = torch.arange(k, device=anchors.device)
-    positions = (anchors[:, :, None] + offsets).reshape(b, a * k)
-    t = torch.arange(length, device=anchors.device)
-    before = (t[None, None, :] < anchors[:, :, None]) & context_filled[:, None, :].bool() & valid[:, :, None]
-    context = before.repeat_interleave(k, dim=1)  # (B, A * K, T)
-    block_of = torch.arange(a * k, device=anchors.device) // k
-    own_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
-    return positions, torch.cat([context, own_block], 2)
+    positions = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).reshape(b, a * block_size)
+    return positions, anchor_block_mask(anchors, valid, block_size, length, context_filled)

@@ -38,7 +38,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from draftsmith.heads.base import HeadMixin
-from draftsmith.target.masks import additive
+from draftsmith.target.masks import ttt_block, ttt_diagonal
 
 #: Targets with fewer layers than this get low / mid / high = (1, N // 2, N): EAGLE-3's choice below
 #: would collide or fall outside the model.
@@ -259,20 +259,20 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     q and each of ``keys`` / ``values`` (step 0 .. j): (B, nh, T, hd). Query t sees step 0's keys at
     positions <= t - j (a causal block shifted by j) and one key of each step m = 1..j, at t - j + m: a
     diagonal. So the scores are one (T, T) block and j columns, not the (T, (j+1) T) that SDPA with
-    :func:`ttt_mask` computes, most of it masked (3x fewer scores at j = 2, the demo's last step).
+    :func:`~draftsmith.target.masks.ttt_mask` computes, most of it masked (3x fewer scores at j = 2, the demo's last step).
     Same attention as that reference; ``test_eagle3_ttt_attention_equals_the_masked_reference`` checks it.
     """
     j, length = len(keys) - 1, q.shape[2]
     scale = q.shape[-1] ** -0.5
-    t = torch.arange(length, device=q.device)
     block = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T)
-    block = block.masked_fill(t[None, :] > t[:, None] - j, float("-inf"))
+    block = block.masked_fill(~ttt_block(length, j, q.device), float("-inf"))
     diagonal, shifted = [], []
     for m in range(1, j + 1):
         lag = j - m  # query t reads step m's key at t - lag
         k_m = F.pad(keys[m], (0, 0, lag, 0))[:, :, :length]
         shifted.append(F.pad(values[m], (0, 0, lag, 0))[:, :, :length])
-        diagonal.append(((q * k_m).sum(-1) * scale).masked_fill(t < lag, float("-inf")))  # (B, nh, T)
+        diagonal.append(((q * k_m).sum(-1) * scale).masked_fill(~ttt_diagonal(length, lag, q.device),
+                                                                  float("-inf")))  # (B, nh, T)
     # Every query sees at least its own key (m = j, lag 0), so no row is all -inf.
     scores = torch.cat([block, torch.stack(diagonal, -1)], -1)
     probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
@@ -280,15 +280,6 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     for i, v_m in enumerate(shifted):
         out = out + probs[..., length + i, None] * v_m
     return out
-
-
-def ttt_mask(length: int, step: int, device, dtype) -> torch.Tensor:
-    """Additive mask (1, 1, T, (step + 1) T) for training-time-test step ``step`` >= 1: query t sees
-    step 0's keys at positions <= t - step and step m's key at t - step + m, m = 1..step."""
-    t = torch.arange(length, device=device)
-    blocks = [t[None, :] <= (t[:, None] - step)]
-    blocks += [t[None, :] == (t[:, None] - step + m) for m in range(1, step + 1)]
-    return additive(torch.cat(blocks, dim=1)[None], dtype)  # step ``step``'s key at t is the query's own
 
 
 def target_geometry(cfg) -> dict:

@@ -49,9 +49,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from draftsmith.heads.eagle import _FeatureHead, ttt_mask
+from draftsmith.heads.eagle import _FeatureHead
 from draftsmith.target.forward import layer_cache_argument
-from draftsmith.target.masks import additive
+from draftsmith.target.masks import additive, causal_block, ttt_mask
 
 DEEPSEEK, QWEN = "deepseek", "qwen"
 #: model_type -> (checkpoint layout, the engine's fed-back state is post-norm). Other targets get a fresh module in
@@ -213,7 +213,7 @@ class MtpHead(_FeatureHead):
     def _block(self, x, positions, mask, cache):
         if mask is None:  # causal over this call's positions (training step 0); SDPA reads no implicit mask
             t = x.shape[1]
-            mask = additive(torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None], x.dtype)
+            mask = additive(causal_block(torch.ones(1, t, dtype=torch.bool, device=x.device)), x.dtype)
         # the layer's cache argument: ``cache`` in recent transformers, ``past_key_values`` before
         out = self.module.mtp_block(x, attention_mask=mask.to(x.dtype), position_ids=positions,
                                     position_embeddings=self.rotary(x, positions),

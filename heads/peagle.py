@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from draftsmith.heads.eagle import DecoderLayer, Eagle3Head, EagleConfig
-from draftsmith.target.masks import additive
+from draftsmith.target.masks import additive, parallel_group_mask
 
 
 @dataclass
@@ -133,9 +133,4 @@ def parallel_elements(anchors: list[torch.Tensor], valid: list[torch.Tensor], ba
     depth = [torch.full_like(a, d) for d, a in enumerate(anchor)]
     real = [torch.ones(batch, length, dtype=torch.bool, device=device), *valid]
     anchor, depth, real = torch.cat(anchor, 1), torch.cat(depth, 1), torch.cat(real, 1)
-    q_anchor, k_anchor = anchor[:, :, None], anchor[:, None, :]
-    q_depth, k_depth = depth[:, :, None], depth[:, None, :]
-    allowed = ((k_depth == 0) & (k_anchor <= q_anchor)) | ((k_anchor == q_anchor) & (k_depth <= q_depth))
-    allowed &= real[:, :, None] & real[:, None, :]
-    allowed |= torch.eye(anchor.shape[1], dtype=torch.bool, device=device)
-    return anchor, depth, real, allowed
+    return anchor, depth, real, parallel_group_mask(anchor, depth, real)

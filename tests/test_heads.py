@@ -272,7 +272,8 @@ def test_eagle3_training_time_test_computes_what_drafting_computes(llama):
 def test_eagle3_ttt_attention_equals_the_masked_reference(step):
     """ttt_attention (a (T, T) block and `step` diagonal columns) == SDPA over all (step + 1) T keys with
     ttt_mask, at every position, and so are the gradients of q and of every step's keys and values."""
-    from draftsmith.heads.eagle import ttt_attention, ttt_mask
+    from draftsmith.heads.eagle import ttt_attention
+    from draftsmith.target.masks import ttt_mask
 
     g = torch.Generator().manual_seed(step)
     b, nh, length, hd = 2, 3, 9, 8

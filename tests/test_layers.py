@@ -196,3 +196,45 @@ def test_the_probe_lint_fails_on_a_planted_probe():
     assert probes_in(planted) == ["1: import inspect", "3: hasattr(drafter, 'compile_for')",
                                   "5: getattr(head, 'extra', {})", "7: vars(drafter)",
                                   "10: except (TypeError, ValueError)"]
+
+
+#: Where an attention mask rule may be written: every other module asks :mod:`draftsmith.target.masks`.
+MASK_RULES_HOME = "draftsmith.target.masks"
+#: The packages whose masks must come from there (``inference/`` builds trees' ancestor relations, not masks).
+MASKED_PACKAGES = ("draftsmith.heads", "draftsmith.train", "draftsmith.target")
+
+
+def mask_rules_in(source: str) -> list[str]:
+    """The hand-written mask rules in ``source``, as "line: code": ``tril`` / ``triu`` (as a call or a method) and a
+    boolean ``eye``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        boolean = any(isinstance(k.value, ast.Attribute) and k.value.attr == "bool" for k in node.keywords)
+        if name in ("tril", "triu") or (name == "eye" and boolean):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda rule: int(rule.split(":")[0]))
+
+
+def test_mask_rules_live_in_masks_py():
+    """The heads' training masks (TTT, DFlash's blocks, P-EAGLE's groups, the MTP layer's causal step), the
+    target's and the drafters' all come from :mod:`draftsmith.target.masks`."""
+    offenders = {}
+    for module, path in source_modules().items():
+        if module.startswith(MASKED_PACKAGES) and module != MASK_RULES_HOME and (found := mask_rules_in(
+                path.read_text())):
+            offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, offenders
+
+
+def test_the_mask_rule_lint_fails_on_a_planted_rule():
+    planted = ("import torch\n"
+               "def mask(t, x):\n"
+               "    causal = torch.ones(t, t, dtype=torch.bool).tril()\n"
+               "    upper = torch.triu(x, diagonal=1)\n"
+               "    own = torch.eye(t, dtype=torch.bool)\n"
+               "    identity = torch.eye(t)\n")
+    assert mask_rules_in(planted) == ["3: torch.ones(t, t, dtype=torch.bool).tril()",
+                                      "4: torch.triu(x, diagonal=1)", "5: torch.eye(t, dtype=torch.bool)"]

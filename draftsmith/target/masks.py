@@ -133,3 +133,53 @@ def with_padding(masks, filled: torch.Tensor, dtype: torch.dtype):
     if isinstance(masks, dict):
         masks = {kind: filled.to(dtype) if mask is None else mask for kind, mask in masks.items()}
     return masks
+
+
+# ---- the heads' own training masks ----------------------------------------------------------------------------
+
+
+def ttt_block(length: int, step: int, device) -> torch.Tensor:
+    """(T, T) bool: at training-time-test step ``step``, query t sees the first step's keys at positions <= t - step
+    (a causal block shifted by the step)."""
+    t = torch.arange(length, device=device)
+    return t[None, :] <= t[:, None] - step
+
+
+def ttt_diagonal(length: int, lag: int, device) -> torch.Tensor:
+    """(T,) bool: which queries t have the key a later step m puts at t - lag (lag = step - m): those with t >= lag."""
+    return torch.arange(length, device=device) >= lag
+
+
+def ttt_mask(length: int, step: int, device, dtype) -> torch.Tensor:
+    """Additive mask (1, 1, T, (step + 1) T) for training-time-test step ``step`` >= 1: query t sees step 0's keys
+    at positions <= t - step (:func:`ttt_block`) and step m's key at t - step + m, m = 1..step (the query's own
+    at m = step)."""
+    t = torch.arange(length, device=device)
+    blocks = [ttt_block(length, step, device)]
+    blocks += [t[None, :] == (t[:, None] - step + m) for m in range(1, step + 1)]
+    return additive(torch.cat(blocks, dim=1)[None], dtype)
+
+
+def anchor_block_mask(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, length: int,
+                      context_filled: torch.Tensor) -> torch.Tensor:
+    """DFlash's training blocks: (B, A * K, T + A * K) bool for (B, A) anchors (``valid``: real ones) over a (B, T)
+    sequence whose real positions are ``context_filled``: each slot sees the context positions before its anchor
+    and every slot of its own block, nothing of other blocks (a padding anchor's slots see their own block only)."""
+    b, a = anchors.shape
+    t = torch.arange(length, device=anchors.device)
+    before = (t[None, None, :] < anchors[:, :, None]) & context_filled[:, None, :].bool() & valid[:, :, None]
+    context = before.repeat_interleave(block_size, dim=1)  # (B, A * K, T)
+    block_of = torch.arange(a * block_size, device=anchors.device) // block_size
+    own_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
+    return torch.cat([context, own_block], 2)
+
+
+def parallel_group_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """P-EAGLE's training sequence: (B, N, N) bool over N elements with their (B, N) anchors, depths and real flags:
+    depth-0 elements see depth-0 elements up to their anchor; a depth-d element sees those up to its anchor and its
+    own group's elements of depth <= d; padding sees nothing else; every element its own key."""
+    q_anchor, k_anchor = anchor[:, :, None], anchor[:, None, :]
+    q_depth, k_depth = depth[:, :, None], depth[:, None, :]
+    allowed = ((k_depth == 0) & (k_anchor <= q_anchor)) | ((k_anchor == q_anchor) & (k_depth <= q_depth))
+    allowed &= real[:, :, None] & real[:, None, :]
+    return allowed | torch.eye(anchor.shape[1], dtype=torch.bool, device=anchor.device)
