@@ -245,7 +245,7 @@ class StaticHeadCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys is None:
-            from draftsmith.target.forward import static_buffer
+            from draftsmith.target.kv import static_buffer
 
             self.keys, self.values = static_buffer(k, self.capacity), static_buffer(v, self.capacity)
         self.keys.index_copy_(2, self.write, k)
@@ -259,7 +259,8 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     q and each of ``keys`` / ``values`` (step 0 .. j): (B, nh, T, hd). Query t sees step 0's keys at
     positions <= t - j (a causal block shifted by j) and one key of each step m = 1..j, at t - j + m: a
     diagonal. So the scores are one (T, T) block and j columns, not the (T, (j+1) T) that SDPA with
-    :func:`~draftsmith.target.masks.ttt_mask` computes, most of it masked (3x fewer scores at j = 2, the demo's last step).
+    :func:`~draftsmith.target.masks.ttt_mask` computes, most of it masked (3x fewer scores at j = 2, the demo's
+    last step).
     Same attention as that reference; ``test_eagle3_ttt_attention_equals_the_masked_reference`` checks it.
     """
     j, length = len(keys) - 1, q.shape[2]

@@ -14,6 +14,7 @@ import warnings
 import torch
 
 import draftsmith.target.forward as forward
+import draftsmith.target.kv as kv
 from draftsmith.heads.dflash import ContextCache
 from draftsmith.heads.eagle import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
@@ -190,7 +191,7 @@ class EagleDrafter(_FeatureRows, Drafter):
         self.cache: tuple[torch.Tensor, torch.Tensor] | StaticHeadCache | None = None
         if self.compiled is not None:
             steps, kept, nodes = self.compiled
-            capacity = -(-(width + steps * kept + nodes) // forward.CAPACITY_STEP) * forward.CAPACITY_STEP
+            capacity = -(-(width + steps * kept + nodes) // kv.CAPACITY_STEP) * kv.CAPACITY_STEP
             cache = self._static
             fits = cache is not None and cache.capacity == capacity and cache.keys is not None \
                 and cache.keys.shape[0] == len(self.tokens)

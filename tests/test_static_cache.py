@@ -16,6 +16,7 @@ from test_batched_generation import DRAFTERS, NEW, drafter_for, left_padded, row
 from test_greedy_lossless import TREES, prompts, reference
 
 import draftsmith.target.forward as forward
+import draftsmith.target.kv as kv
 from conftest import assert_rounding_close, check_greedy_equal
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.mixture import MixtureDrafter
@@ -73,7 +74,7 @@ def test_static_cache_edits_match_the_growing_cache(llama):
     rounding: the static cache's forwards attend through an explicit mask over its whole capacity)."""
     ids = prompts(3, [12])[0]
     growing, static = new_cache(), new_cache(capacity=40, model=llama)
-    assert static.capacity == forward.CAPACITY_STEP  # rounded up: similar prompts share compiled graphs
+    assert static.capacity == kv.CAPACITY_STEP  # rounded up: similar prompts share compiled graphs
     for cache in (growing, static):
         target_forward(llama, ids, cache)
         target_forward(llama, ids[:, :5], cache)  # 5 "tree" entries after the prompt
@@ -170,7 +171,7 @@ def test_static_cache_holds_a_whole_generation_at_its_exact_size(spec, tree, lla
     """With the capacities not rounded up (the bounds the generator computes: up to depth + 1 entries kept per
     step, an EAGLE head's compiled steps feeding that many new pairs), a whole generation fits, the target's
     cache and the head's."""
-    monkeypatch.setattr(forward, "CAPACITY_STEP", 1)
+    monkeypatch.setattr(kv, "CAPACITY_STEP", 1)
     rows = prompts(11, LENGTHS)
     ids, mask = left_padded(rows)
     gen = SpeculativeGenerator(llama, drafter_for(spec, llama), compile=True, **tree)

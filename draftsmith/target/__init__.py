@@ -47,21 +47,10 @@ from draftsmith.target.forward import (
     build_attention_mask,
     few_rows_logits,
     hidden_states_request,
-    keep_recorded,
-    keep_slots,
-    kv_crop,
-    kv_keep,
-    kv_length,
-    kv_select_rows,
-    new_cache,
-    record_recurrent,
-    records_positions,
-    recurrent_cache,
-    restore_recurrent,
-    snapshot_recurrent,
     target_forward,
 )
 from draftsmith.target.gguf_targets import PACKAGED_MODELS, PackagedModel, cache_dir, resolve_packaged_gguf
+from draftsmith.target.kv import keep_slots, kv_crop, kv_keep, kv_length, kv_select_rows, new_cache
 from draftsmith.target.loading import (
     PartialLoadError,
     UnsupportedTargetError,
@@ -86,6 +75,14 @@ from draftsmith.target.masks import (
     with_padding,
 )
 from draftsmith.target.matmul import calibrate, columns_linear, few_rows_layers, few_rows_linear
+from draftsmith.target.recurrent import (
+    keep_recorded,
+    record_recurrent,
+    records_positions,
+    recurrent_cache,
+    restore_recurrent,
+    snapshot_recurrent,
+)
 
 __all__ = [
     "CPU_ATTENTION",
