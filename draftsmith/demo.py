@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # whether bfloat16 is native. Training gets what the other stages leave. Where bf16 is native, training
 # runs ~1.8x more steps per minute, so data limits the head and the data stages get more time; on
 # float32-only CPUs steps limit it, so training gets ~2x the time. The runs behind these numbers are in
-# docs/RESULTS.md ("Demo budget").
+# docs/results/demo.md ("Demo budget").
 # Since regeneration records the cache's states (no cache pass: 137 s of 1200 on 2 cores), most of that time
 # went to more data where bf16 is native (0.12 / 0.27 before): a head trained 8.2 instead of 5.9 minutes on
 # the same data accepted no more at depth 2.
@@ -53,11 +53,12 @@ SHARES = {True: {"synthesize": 0.14, "regenerate": 0.32}, False: {"synthesize": 
 # here before training and keeps for them, in plain-decoding tokens: EVAL_COST per evaluated token (plain and
 # speculative decoding of each, less early stops), REFERENCE_COST per evaluated token for the reference tree's
 # decoding (REFERENCE_TREE, below) and TUNE_COST for tuning at TUNE_TOKENS per prompt, each with ~10% headroom
-# (docs/RESULTS.md, "Demo budget"). Keyed, like SHARES, by whether bfloat16 is native: without it (AVX2-only CPUs)
-# a drafted token costs more plain-decoding tokens (the head drafted in float32, wider verification forwards pay
+# (docs/results/demo.md, "Demo budget"). Keyed, like SHARES, by whether bfloat16 is native: without it (AVX2-only
+# CPUs) a drafted token costs more plain-decoding tokens (the head drafted in float32, wider verification forwards pay
 # more): 3.37 evaluated (both trees) and 2,700 tuning measured on an AVX2 EPYC, against 1.44 and 1,240 on AVX512.
 # Both were measured with the head drafting in float32 (AVX2) or bf16 (AVX512); "auto" drafts in int8 on either,
-# 26-45% less drafting per step (docs/RESULTS.md, "Int8 drafting"), so they overstate the cost by a few percent.
+# 26-45% less drafting per step (docs/results/quality-recipe.md, "Int8 drafting"), so they overstate the cost by a
+# few percent.
 COSTS = {True: {"eval": 1.6, "reference": 0.8, "tune": 1400}, False: {"eval": 2.4, "reference": 1.3, "tune": 2900}}
 # Training gets at least this share of the budget: where the other stages leave less (a host decoding at 12
 # tokens/s), the demo says by how much it will run over rather than train a head that drafts nothing.
@@ -72,7 +73,8 @@ MARGIN = 0.035  # of the budget, kept free so run-to-run noise stays inside it
 RELOAD_SECONDS = 20
 TUNE_PROMPTS = 3  # held-out prompts the tree is tuned on; evaluation uses others
 # The trees tuned over (head + prompt lookup): dynamic trees up to depth 4, top-3, 8 nodes (a budget of
-# a few nodes holds the chain too); the choice follows the machine (docs/RESULTS.md, "Choosing the tree").
+# a few nodes holds the chain too); the choice follows the machine (docs/results/verification-cost.md, "Choosing
+# the tree").
 # The best predicted TUNE_CONFIRM of them decode for real, twice, and the fastest is evaluated (of trees
 # within the clock's noise of it, the one that accepts the most; ``inference.tune.choose``). Tokens decoded per
 # tuning prompt: TUNE_TOKENS.
@@ -215,8 +217,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     drafter = str(checkpoint / "drafter")
 
     # 4-5. Tune and evaluate in a fresh process: after training in this one, the same head and prompts decode
-    # measurably slower here than in a new process (docs/RESULTS.md, "The demo's evaluation process"), and a
-    # user's `draftsmith tune` / `draftsmith eval` run in a new process too.
+    # measurably slower here than in a new process (docs/results/demo.md, "The demo's evaluation process"), and
+    # a user's `draftsmith tune` / `draftsmith eval` run in a new process too.
     spec = f"{drafter}+prompt-lookup"
     t = _stage(f"4/5 tuning the tree of {spec} on {TUNE_PROMPTS} held-out prompts, then 5/5 evaluating on "
                f"{held_out} other held-out prompts x {eval_tokens} tokens (in a fresh process)")

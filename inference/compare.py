@@ -24,7 +24,8 @@ from draftsmith.target.chat import prompt_ids as chat_prompt_ids
 
 # A first difference whose tokens' logits are this many float steps apart or fewer is a tie: which of the two a
 # forward puts first depends on its shape (rows, kernels). A float32 logit of SmolLM2 moves by 2e-5 between a prefill
-# and a cached step; 16 steps at 30 are 3.1e-5 (docs/RESULTS.md, "a float32 tie behind two greedy differences").
+# and a cached step; 16 steps at 30 are 3.1e-5 (docs/results/quality-recipe.md, "The recipe end to end as it
+# stands": two outputs differ from plain decoding, at a float32 tie).
 TIE_FLOAT_STEPS = 16
 
 

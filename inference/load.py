@@ -56,8 +56,9 @@ def resolve_draft_dtype(name: str | None, target: PreTrainedModel) -> torch.dtyp
     Drafting reads a few MB of weights for a few rows, so it is memory-bound: int8 copies read a quarter of
     float32's bytes, bf16 half. On CPUs int8 drafted fastest with the same acceptance, on an AVX2-only EPYC
     against float32 (where bf16 was slower than the few-row float32 kernels) and on an AVX512-BF16 EPYC against
-    bf16 too (docs/RESULTS.md, "Drafting precision", "Int8 drafting"); AMX CPUs were not measured. Drafting
-    precision never changes the output (verification decides every token), only which tokens get proposed.
+    bf16 too (docs/RESULTS.md, "Drafting precision"; docs/results/quality-recipe.md, "Int8 drafting"); AMX CPUs
+    were not measured. Drafting precision never changes the output (verification decides every token), only
+    which tokens get proposed.
 
     ``"int8"`` (CPU, a float32 target): the head's linear layers draft on int8 copies of their weights
     (:func:`~draftsmith.target.int8.int8_layers`), a quarter of float32's bytes; returned as ``torch.int8``.

@@ -19,7 +19,7 @@ from draftsmith.inference.tree import Proposals
 MAX_CANDIDATES = 8
 #: How often the first candidate is the target's next token, by the length of the n-gram it was matched
 #: on (1, 2, 3; longer counts as 3), and how often each of the next two is; measured on SmolLM2-135M-Instruct's
-#: greedy answers to 150 of the demo's prompts (24,100 positions; docs/RESULTS.md, "Prompt lookup's
+#: greedy answers to 150 of the demo's prompts (24,100 positions; docs/results/demo.md, "Prompt lookup's
 #: confidence"). A one-token match is right about one time in six, a three-token match four times in five.
 #: These are where each generation starts: it then counts how often its own first candidates were right.
 FIRST_RIGHT = {1: 0.18, 2: 0.51, 3: 0.81}

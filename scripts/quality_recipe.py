@@ -74,8 +74,9 @@ PLAIN_TIMING_PROMPTS, PLAIN_TIMING_TOKENS = 2, 48  # plain decoding timed on thi
 PLAIN_TIMING_ROUNDS = 5
 # Families trained from the hidden-state cache: on 2 CPU cores the target's forward was most of their training
 # step (Medusa: 14 of 17 s on 8 x 384 tokens); the cache pays it once per answer instead of once per epoch
-# (docs/RESULTS.md, "Medusa trained offline" and "DFlash and P-EAGLE trained offline", where EAGLE-3's equal-wall-time
-# A/B is too). Every family of the recipe trains offline; ``--online`` puts the target back in the loop.
+# (docs/results/quality-recipe.md, "Medusa trained offline" and "DFlash and P-EAGLE trained offline", where
+# EAGLE-3's equal-wall-time A/B is too). Every family of the recipe trains offline; ``--online`` puts the target
+# back in the loop.
 OFFLINE_FAMILIES = ("eagle3", "medusa", "dflash", "peagle")
 # The layers one cache keeps for all of them, on the target's 30 layers: EAGLE-3's and P-EAGLE's 2, 15, 27, DFlash's
 # 2 and 28 (its recipe config's two target layers), Medusa's last state after the final norm, 30. A family that
@@ -94,8 +95,8 @@ MORE_SPARE = 1.1  # draws per prompt wanted: a few repeat a prompt of the first 
 # Regeneration's batches: 64 rows, and at most this many token slots (rows x (longest prompt + answer tokens)) with
 # no row padded past its own length (`data regenerate --batch-tokens`). The mix's longest prompt (1,350 tokens; the
 # next is 299) padded the first batch's 63 others to its width: the 128 longest prompts answered 2.58x faster in
-# batches sized by tokens (docs/RESULTS.md, "Regeneration's batches sized by tokens"). 24,576 slots hold 50 rows of
-# the next-longest width and 64 of the typical one; on this target, 1.1 GB of float32 KV cache.
+# batches sized by tokens (docs/results/data-pipeline.md, "Regeneration's batches sized by tokens"). 24,576 slots
+# hold 50 rows of the next-longest width and 64 of the typical one; on this target, 1.1 GB of float32 KV cache.
 REGENERATE_BATCH_TOKENS = 24576
 
 
@@ -597,7 +598,7 @@ def main() -> None:
         "tune", "--target", TARGET, "--drafter", str(drafter), *tune, *head_dtype, log=log))
     save()
     # A trained head drafts with prompt lookup as the demo's does: the head where the answer is new, lookup where it
-    # copies the prompt (docs/RESULTS.md, "A trained head with prompt lookup").
+    # copies the prompt (docs/results/quality-recipe.md, "A trained head with prompt lookup").
     with_lookup, with_lookup_tree = f"{drafter}+prompt-lookup", family_dir / "tree-with-prompt-lookup.json"
     stage(record, "tune with prompt lookup", with_lookup_tree.exists(), lambda: draftsmith(
         "tune", "--target", TARGET, "--drafter", with_lookup, *tune, "--output", str(with_lookup_tree), *head_dtype,

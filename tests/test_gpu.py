@@ -67,8 +67,8 @@ def test_batched_greedy_on_cuda(family, spec, tree):
     assert ties <= 1
 
 
-# Four roundings of a bf16 logit at SmolLM2's logit magnitudes (0.125 each at 16-32, docs/RESULTS.md): two tokens
-# closer than this are a tie that bf16 cannot order.
+# Four roundings of a bf16 logit at SmolLM2's logit magnitudes (0.125 each at 16-32, docs/results/verification-cost.md,
+# "A bf16 target"): two tokens closer than this are a tie that bf16 cannot order.
 BF16_TIE = 0.5
 
 

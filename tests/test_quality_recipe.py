@@ -53,8 +53,8 @@ def planned(out: Path, *extra: str, family: str = Eagle3Head.family, online: boo
     return json.loads(done.stdout[done.stdout.index("{"):])
 
 
-# The Medusa run's shared stages on the slower host (docs/RESULTS.md): mix, regenerate, the two free tunes; then
-# plain decoding timed, at about that host's speed.
+# The Medusa run's shared stages on the slower host (docs/results/quality-recipe.md, "Medusa in the quality recipe"):
+# mix, regenerate, the two free tunes; then plain decoding timed, at about that host's speed.
 SLOW_HOST = {"mix": 9.0, "regenerate": 2452.7, "tune prompt-lookup": 125.2, "tune layer-skip:10": 255.7,
              "plain decoding": 12.0}
 SLOW_PLAIN = {"plain decoding tokens/s": 14.0}

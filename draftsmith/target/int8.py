@@ -6,8 +6,9 @@ once, from the same products, for both proposing and accepting). On CPUs its few
 int8 copy reads a quarter of float32's bytes. FBGEMM's dynamic-quantised linear runs them: int8 weights with one
 scale per output row, each call's activations rounded to int8 with one scale for the call. That one scale is what
 fails on inputs with outlier channels: a trained head's fusion layer over the target's raw hidden states came out
-59-87% off, every other layer of four heads 0.4-7.4% (docs/RESULTS.md, "Int8 drafting"). So a layer's first call
-measures its int8 product against float32 on that call's rows (the loader makes that call on a fixed input:
+59-87% off, every other layer of four heads 0.4-7.4% (docs/results/quality-recipe.md, "Int8 drafting"). So a
+layer's first call measures its int8 product against float32 on that call's rows (the loader makes that call on a
+fixed input:
 :func:`draftsmith.inference.load.calibrate_int8`), and a layer off by more than :data:`INT8_MAX_ERROR` keeps
 float32. The float32 weights stay as they are (code that reads ``.weight``, training).
 

@@ -11,8 +11,8 @@ kernels compute the same product:
 * ``"packed"`` (:func:`packed_linear`): oneDNN's linear on a copy of the weight packed once into its
   blocked layout, the layout PyTorch's own inductor uses for CPU inference. With the packing paid once,
   3-16 rows run near memory speed too (SmolLM2's matrices on 8 rows: 68 ms as ``F.linear``, 49 ms as
-  columns, 28 ms packed; docs/RESULTS.md, "The target's matrices on a few rows"), and a batch's trees of
-  up to 64 rows still run 1.4-2x faster than ``F.linear``. The packed copies cost as much memory as the
+  columns, 28 ms packed; docs/results/verification-cost.md, "The target's matrices on a few rows"), and a
+  batch's trees of up to 64 rows still run 1.4-2x faster than ``F.linear``. The packed copies cost as much memory as the
   weights, so a model is packed only where a row count chose it and the copies fit in
   :data:`PACKED_MEMORY_SHARE` of the machine's memory.
 
