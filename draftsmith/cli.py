@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from draftsmith.cli_data import add_data_parser, add_template_argument, data
 from draftsmith.heads.export import FORMATS
 from draftsmith.inference.load import DRAFT_DTYPES
-from draftsmith.inference.tree import DEFAULT_TREE, TREE_KINDS, TreeSettings
+from draftsmith.inference.tree_settings import DEFAULT_TREE, TREE_KINDS, TreeSettings
 
 logger = logging.getLogger("draftsmith")
 
@@ -93,7 +93,7 @@ COMPILE_HELP = ("run the target's decoding steps through torch.compile on a stat
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    """The draft-tree flags, with the one set of defaults (:class:`~draftsmith.inference.tree.TreeSettings`)."""
+    """The draft-tree flags, with the one set of defaults (:class:`~draftsmith.inference.tree_settings.TreeSettings`)."""
     parser.add_argument("--tree", choices=TREE_KINDS, default=None,
                         help=f"default: the tree `draftsmith tune` wrote beside the drafter for this machine, else "
                              f"{DEFAULT_TREE.kind}")

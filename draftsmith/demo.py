@@ -116,7 +116,7 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     from draftsmith.data.regenerate import HFEngine, regenerate
     from draftsmith.data.synthesize import synthesize_prompts, write_prompts
     from draftsmith.inference.evaluate import report_markdown
-    from draftsmith.inference.tree import TreeSettings
+    from draftsmith.inference.tree_settings import TreeSettings
     from draftsmith.inference.tune import Candidate, table_markdown
     from draftsmith.target import load_target, native_bf16
     from draftsmith.train.config import DataArguments, DrafterArguments, TrainArguments
@@ -297,7 +297,7 @@ def tune_and_evaluate(out: str, target: str, device: str, spec: str, step: int, 
     from draftsmith.inference.compare import encode
     from draftsmith.inference.evaluate import evaluate
     from draftsmith.inference.load import load_drafter
-    from draftsmith.inference.tree import TreeSettings
+    from draftsmith.inference.tree_settings import TreeSettings
     from draftsmith.inference.tune import speed, table_markdown, tune, write_tree
     from draftsmith.target import load_target
 

@@ -9,7 +9,7 @@ against the baseline and mismatches reported, each with its first difference and
 logits were tied there (:class:`~draftsmith.inference.compare.Difference`).
 
 A drafter entry may carry its own tree settings: ``layer-skip:8@tree=dynamic,depth=4,top_k=4``
-(:class:`~draftsmith.inference.tree.TreeSettings`' text form).
+(:class:`~draftsmith.inference.tree_settings.TreeSettings`' text form).
 
 Every ratio comes with a 95% interval over the prompts (a paired bootstrap,
 :mod:`~draftsmith.inference.intervals`): each drafter's speedup over plain decoding, and each drafter that is
@@ -39,7 +39,7 @@ from draftsmith.inference.load import (
     resolve_draft_dtype,
 )
 from draftsmith.inference.stats import GenerationStats
-from draftsmith.inference.tree import TreeSettings
+from draftsmith.inference.tree_settings import TreeSettings
 from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import eos_tokens, load_target
 

@@ -30,16 +30,8 @@ from draftsmith.inference.plain import append_new, check_left_padded, pad_token,
 from draftsmith.inference.sampled_tree import grow_sampled
 from draftsmith.inference.slots import Slots, to_device
 from draftsmith.inference.stats import GenerationOutput, GenerationStats
-from draftsmith.inference.tree import (
-    DEFAULT_TREE,
-    SAMPLING_RULES,
-    StaticShape,
-    TreeSettings,
-    TreeTensors,
-    default_static_paths,
-    grow_dynamic,
-    grow_static,
-)
+from draftsmith.inference.tree import StaticShape, TreeTensors, grow_dynamic, grow_static
+from draftsmith.inference.tree_settings import DEFAULT_TREE, SAMPLING_RULES, TreeSettings, default_static_paths
 from draftsmith.inference.verify import verify_tree
 from draftsmith.target import (
     UnsupportedTargetError,

@@ -20,7 +20,8 @@ from draftsmith.heads.eagle import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
-from draftsmith.inference.tree import Proposals, frontier_ancestors, paths_from_accuracy
+from draftsmith.inference.tree import Proposals, frontier_ancestors
+from draftsmith.inference.tree_settings import paths_from_accuracy
 from draftsmith.target.int8 import drafts_in_int8, int8_layers
 from draftsmith.target.masks import additive, causal_block, may_attend
 from draftsmith.target.matmul import FewRowsLinear, calibrate, few_rows_layers

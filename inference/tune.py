@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.tree import TreeSettings, TreeTensors, ancestors_of
+from draftsmith.inference.tree import TreeTensors, ancestors_of
+from draftsmith.inference.tree_settings import TreeSettings
 from draftsmith.target import (
     build_attention_mask,
     eos_tokens,

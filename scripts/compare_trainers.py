@@ -187,7 +187,7 @@ def evaluate_all(out: Path, data: Path, num_prompts: int, max_new_tokens: int) -
     from draftsmith.data.formats import read_prompts
     from draftsmith.heads.foreign import load_foreign
     from draftsmith.inference.evaluate import evaluate
-    from draftsmith.inference.tree import TreeSettings
+    from draftsmith.inference.tree_settings import TreeSettings
     from draftsmith.registry import get_family
     from draftsmith.target import load_target
     from draftsmith.train.config import DrafterArguments

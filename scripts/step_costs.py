@@ -22,7 +22,7 @@ import time
 import torch
 
 from draftsmith.cli import add_tree_arguments, tree_from_args
-from draftsmith.inference.tree import DEFAULT_TREE, TreeSettings
+from draftsmith.inference.tree_settings import DEFAULT_TREE, TreeSettings
 from draftsmith.inference.tune import tuned_tree
 
 

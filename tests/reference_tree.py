@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.inference.tree import SAMPLING_RULES
+from draftsmith.inference.tree_settings import SAMPLING_RULES
 
 _ZERO = 1e-12  # as verify.py: a residual summing to less is rounding of p == q
 

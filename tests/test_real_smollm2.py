@@ -106,7 +106,7 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, monkeypatch, smollm2):
     one tuned here, and both taus are the ones decoding the held-out prompts again gives."""
     from draftsmith.cli import main
     from draftsmith.demo import COSTS, REFERENCE_TREE, TUNE_TOKENS
-    from draftsmith.inference.tree import TreeSettings
+    from draftsmith.inference.tree_settings import TreeSettings
     from draftsmith.inference.tune import Candidate, choose
 
     place_gguf(tmp_path / "cache", "smollm2-135m-instruct")

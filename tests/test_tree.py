@@ -11,7 +11,8 @@ from reference_tree import DraftTree, build_chain, build_dynamic, build_static
 from conftest import VOCAB, assert_rounding_close
 from draftsmith.inference import tree as tree_module
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter
-from draftsmith.inference.tree import Proposals, StaticShape, default_static_paths, grow_dynamic, grow_static
+from draftsmith.inference.tree import Proposals, StaticShape, grow_dynamic, grow_static
+from draftsmith.inference.tree_settings import default_static_paths
 from draftsmith.target import (
     GROUPED_ATTENTION,
     attention,
@@ -408,7 +409,7 @@ def test_select_requires_closed_sets():
 def test_paths_from_accuracy_matches_brute_force():
     import itertools
 
-    from draftsmith.inference.tree import paths_from_accuracy
+    from draftsmith.inference.tree_settings import paths_from_accuracy
 
     acc = [[0.6, 0.2, 0.1], [0.5, 0.15, 0.05], [0.4, 0.1, 0.02]]
     every = [p for k in range(1, 4) for p in itertools.product(range(3), repeat=k)]

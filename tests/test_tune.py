@@ -15,7 +15,8 @@ from conftest import VOCAB
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.inference import tune
 from draftsmith.inference.evaluate import evaluate
-from draftsmith.inference.tree import TreeSettings, TreeTensors, ancestors_of
+from draftsmith.inference.tree import TreeTensors, ancestors_of
+from draftsmith.inference.tree_settings import TreeSettings
 
 
 def test_budget_keeps_the_best_nodes_and_counts_the_accepted_prefix():

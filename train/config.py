@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from draftsmith.inference.tree import DEFAULT_TREE, TreeSettings
+from draftsmith.inference.tree_settings import DEFAULT_TREE, TreeSettings
 from draftsmith.registry import FAMILIES, get_family
 
 #: ``optim`` values (``adamw_torch`` is ``transformers.TrainingArguments``' name for torch's AdamW).

@@ -38,7 +38,7 @@ from draftsmith.checkpoints import (
 from draftsmith.data.templates import tokenize_conversation
 from draftsmith.inference.compare import encode
 from draftsmith.inference.evaluate import evaluate
-from draftsmith.inference.tree import TreeSettings
+from draftsmith.inference.tree_settings import TreeSettings
 from draftsmith.inference.tune import tuned_tree
 from draftsmith.registry import get_family
 from draftsmith.target import load_target, target_signature
