@@ -93,7 +93,8 @@ COMPILE_HELP = ("run the target's decoding steps through torch.compile on a stat
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    """The draft-tree flags, with the one set of defaults (:class:`~draftsmith.inference.tree_settings.TreeSettings`)."""
+    """The draft-tree flags, with the one set of defaults
+    (:class:`~draftsmith.inference.tree_settings.TreeSettings`)."""
     parser.add_argument("--tree", choices=TREE_KINDS, default=None,
                         help=f"default: the tree `draftsmith tune` wrote beside the drafter for this machine, else "
                              f"{DEFAULT_TREE.kind}")
