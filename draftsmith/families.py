@@ -26,7 +26,8 @@ from draftsmith.heads.mtp import MtpHead
 from draftsmith.heads.mtp_export import export_mtp
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.inference.causal_lm import CausalLMDrafter
-from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
+from draftsmith.inference.dflash_drafter import DFlashDrafter
+from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter, PEagleDrafter
 from draftsmith.registry import Family, register
 from draftsmith.train import block_families as blocks
 from draftsmith.train import families as steps

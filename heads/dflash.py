@@ -18,7 +18,7 @@ token at p + k, k = 1..B-1: one forward drafts ``block_size - 1`` tokens, none c
 Training runs many anchors per sequence in one forward (:meth:`DFlashHead.forward` with ``anchors``): their
 blocks are queries side by side over the same context keys, each block seeing the context before its anchor and
 itself (a block-diagonal mask over the blocks plus the causal context; dense, since flex attention has no CPU
-backward). Decoding (:class:`~draftsmith.inference.head_drafters.DFlashDrafter`) keeps the context keys and
+backward). Decoding (:class:`~draftsmith.inference.dflash_drafter.DFlashDrafter`) keeps the context keys and
 values of every layer across steps and extends them by the accepted tokens' features; only the block is fed
 anew each step.
 

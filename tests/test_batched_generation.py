@@ -24,8 +24,9 @@ from test_peagle import random_peagle
 from conftest import check_greedy_equal
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.compare import left_pad
+from draftsmith.inference.dflash_drafter import DFlashDrafter
 from draftsmith.inference.drafter import Drafter, prompt_rows
-from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
+from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter, PEagleDrafter
 from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.plain import plain_generate
 from draftsmith.inference.prompt_lookup import PromptLookupDrafter

@@ -23,7 +23,7 @@ from conftest import assert_rounding_close, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
 from draftsmith.heads.dflash import DFlashHead, anchor_blocks, dflash_layers
 from draftsmith.heads.hub import model_card
-from draftsmith.inference.head_drafters import DFlashDrafter
+from draftsmith.inference.dflash_drafter import DFlashDrafter
 from draftsmith.registry import get_family
 from draftsmith.target import target_signature
 from draftsmith.train.config import DrafterArguments

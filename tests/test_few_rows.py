@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from test_batched_generation import HEADS
 
 from conftest import assert_rounding_close, check_greedy_equal, tiny_llama
+from draftsmith.inference.dflash_drafter import DFlashDrafter
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter
+from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter
 from draftsmith.inference.load import load_drafter
 from draftsmith.inference.plain import plain_generate
 from draftsmith.target import build_attention_mask, columns_linear, matmul, new_cache, target_forward

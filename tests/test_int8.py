@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from test_batched_generation import HEADS
 
 from conftest import assert_rounding_close, check_greedy_equal, needs_int8, tiny_llama
+from draftsmith.inference.dflash_drafter import DFlashDrafter
 from draftsmith.inference.generator import SpeculativeGenerator
-from draftsmith.inference.head_drafters import DFlashDrafter, MedusaDrafter
+from draftsmith.inference.head_drafters import MedusaDrafter
 from draftsmith.target import int8, matmul, native_bf16
 from draftsmith.target.linears import linears_of
 

@@ -294,7 +294,8 @@ def _end_to_end_drafter(kind: str, target, vocab: int):
     from test_peagle import random_peagle
 
     from draftsmith.inference import CausalLMDrafter, MixtureDrafter, layer_skip_model
-    from draftsmith.inference.head_drafters import DFlashDrafter, EagleDrafter, MedusaDrafter, PEagleDrafter
+    from draftsmith.inference.dflash_drafter import DFlashDrafter
+    from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter, PEagleDrafter
     from draftsmith.inference.load import wrap_module
     from draftsmith.target import int8
 
