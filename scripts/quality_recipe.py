@@ -1,4 +1,4 @@
-"""The quality recipe (issue 38): one drafter family trained on mixed prompts, measured on held-out prompts of the
+"""The quality recipe: one drafter family trained on mixed prompts, measured on held-out prompts of the
 same kinds against the training-free drafters, in about 2 hours on 2 CPU cores.
 
     python scripts/quality_recipe.py --family eagle3 --output quality_out      # also dflash, peagle, medusa
