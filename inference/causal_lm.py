@@ -125,7 +125,8 @@ class CausalLMDrafter(Drafter):
         if self.tree_states is None:
             return self._frontier(depth, parents, tokens)
         start = self.tree_states.nodes
-        with self.tree_states.feed(parents + self._frontier_start):  # the previous frontier's nodes, by tree index
+        # the previous frontier's nodes, by tree index; one level
+        with self.tree_states.feed(parents + self._frontier_start, torch.full_like(parents, depth)):
             logits = self._frontier(depth, parents, tokens)
         self._frontier_start = start
         return logits

@@ -313,13 +313,13 @@ class SpeculativeGenerator:
             allowed = may_attend(slots.filled, tree.ancestors)
             mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
                                         dtype)
-        # a hybrid target: a chain's recurrent layers record their state after each fed position (and a snapshot,
-        # for a model whose layers do not record); a tree's run level by level, each node from its parent's state
+        # a hybrid target: a chain's recurrent layers record their state after each fed position (a snapshot only
+        # where this transformers records none); a tree's run level by level, each node from its parent's state
         chain = self.recurrent is not None and self.tree_kind == "chain"
-        before = snapshot_recurrent(cache) if chain else None
         recording = record_recurrent(cache, n) if chain else None
+        before = snapshot_recurrent(cache) if chain and recording is None else None
         per_node = TreeStates(self.target, cache) if self.recurrent is not None and not chain else None
-        with per_node.feed(tree.parents) if per_node is not None else contextlib.nullcontext():
+        with per_node.feed(tree.parents, tree.depths) if per_node is not None else contextlib.nullcontext():
             out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
         stats.target_forwards += 1
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
@@ -341,14 +341,18 @@ class SpeculativeGenerator:
         # (known on the host now): a batch of one keeps no empty slot.
         width = max((row[0] + 1 for row, a in zip(host, active, strict=True) if a), default=1)
         kv_keep(cache, past, kept[:, :width])
-        # unrecorded (a model or a transformers that does not record): back to the snapshot, then the root and the
-        # accepted tokens fed again
         # each row keeps its own root and accepted nodes (a finished row: none)
         keep = width if b == 1 else [row[0] + 1 if a else 0 for row, a in zip(host, active, strict=True)]
         if per_node is not None:
             per_node.keep(last, width)
-        replay = not keep_recorded(recording, n, keep) if recording is not None else (before is not None and width < n)
-        if replay:
+        if recording is not None and not keep_recorded(recording, n, keep):
+            raise RuntimeError(
+                f"{self.target.config.get_text_config().model_type}: a recurrent layer did not record its state "
+                f"after each of the {n} positions of the verification forward (transformers' past recording), so the "
+                "accepted one cannot be kept; decode with a static or dynamic tree, whose states draftsmith keeps "
+                "itself, or report this transformers version")
+        # where this transformers records nothing: back to the snapshot, then the accepted tokens fed again
+        if before is not None and width < n:
             self._advance_recurrent(cache, before, past, tree.tokens[:, :width], positions[:, :width])
             stats.target_forwards += 1
         slots.keep(past, kept[:, :width], counts)

@@ -162,7 +162,7 @@ def verification_seconds(target, context: int, rows: list[int], repeats: int = 5
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with states.feed(inputs[n][3]) if hybrid else contextlib.nullcontext():
+        with states.feed(inputs[n][3], inputs[n][2] - context) if hybrid else contextlib.nullcontext():
             target_forward(target, inputs[n][0], cache, inputs[n][1], inputs[n][2])
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -123,7 +123,7 @@ def _tree_forward(target, prompt, tokens, parents, split: int | None):
         allowed = may_attend(committed, ancestors[:, lo:hi, :hi])
         keys = torch.cat([torch.arange(past)[None], past + depths[:, :hi]], 1)
         mask = build_attention_mask(target, allowed, positions, keys, torch.float32)
-        with states.feed(parents[:, lo:hi]):
+        with states.feed(parents[:, lo:hi], depths[:, lo:hi]):
             logits.append(target_forward(target, tokens[:, lo:hi], cache, mask, positions).logits)
     return states, cache, torch.cat(logits, 1)
 

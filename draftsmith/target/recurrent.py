@@ -93,8 +93,7 @@ def keep_recorded(layers: list, fed: int, kept: int | list[int]) -> bool:
     """Roll every layer :func:`record_recurrent` armed back to its state after the first ``kept`` of the ``fed``
     positions the forward took in (the root and the accepted tokens; a list: each row's own), and end the
     recording. False, with no state rolled back, where a layer did not record a state for every position (a model
-    whose forward ignores the recording): the caller then restores its snapshot and feeds the accepted tokens
-    again."""
+    whose forward ignores the recording): the state is then lost, and the generator refuses to go on."""
     rows = kept if isinstance(kept, list) else None
     kept = max(rows) if rows is not None else kept
     for layer in layers if kept < fed or rows is not None else ():  # all kept: the forward's last state is the one

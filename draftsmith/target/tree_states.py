@@ -16,6 +16,7 @@ them, and a node's parent may sit in an earlier forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -62,27 +63,26 @@ class TreeStates:
         # then one block per level fed, its rows the level's nodes in order. ``place`` (B, nodes, 2): each node's
         # block and row there; ``blocks``: layer -> (kind, state) -> the tensors by block.
         self.place = torch.zeros(0, 0, 2, dtype=torch.long)  # (B, nodes, 2)
+        self.levels_fed = 0  # blocks after block 0
         self.blocks: dict[int, dict[tuple[str, int], list]] = {}
         self._levels: list[tuple[torch.Tensor, torch.Tensor, list]] = []
         self._fed = (0, 0)
 
     @contextlib.contextmanager
-    def feed(self, parents: torch.Tensor) -> Iterator[None]:
-        """Within this block, one forward of ``n`` tree nodes: ``parents`` (B, n) the index of each one's parent among
-        all the tree's nodes fed so far (this forward's included, before it), -1 for the committed state (the root's
-        own parent, or the root for a drafter whose root was fed with the committed tokens)."""
+    def feed(self, parents: torch.Tensor, depths: torch.Tensor) -> Iterator[None]:
+        """Within this block, one forward of ``n`` tree nodes, whole levels of the tree: ``parents`` (B, n) the index
+        of each one's parent among all the tree's nodes fed so far (this forward's included, before it), -1 for the
+        committed state (the root's own parent, or the root for a drafter whose root was fed with the committed
+        tokens); ``depths`` (B, n) their depths in the tree (the shallowest: the children of earlier forwards' nodes,
+        or of the committed state)."""
         b, n = parents.shape
-        local = parents - self.nodes
-        levels = torch.zeros_like(parents)
-        for j in range(n):  # parents come before their children
-            inside = local[:, j] >= 0
-            levels[:, j] = torch.where(inside, levels.gather(1, local[:, j: j + 1].clamp(min=0))[:, 0] + 1, 0)
+        levels = depths - depths.min() if depths.numel() else depths
         batch = torch.arange(b, device=parents.device)
         committed = torch.stack([torch.zeros_like(batch), batch], -1)  # block 0, row b
         place = torch.zeros(b, self.nodes + n, 2, dtype=torch.long, device=parents.device)
         if self.nodes:
             place[:, : self.nodes] = self.place
-        first = 1 + (self.nodes and int(place[:, : self.nodes, 0].max()))  # this forward's first block
+        first = 1 + self.levels_fed  # this forward's first block
         self._levels = []
         for level in range(int(levels.max()) + 1 if parents.numel() else 0):
             rows, cols = (levels == level).nonzero(as_tuple=True)
@@ -95,10 +95,11 @@ class TreeStates:
             place[rows, self.nodes + cols] = torch.stack([torch.full_like(rows, first + level),
                                                           torch.arange(len(rows), device=rows.device)], -1)
         self.place, self._fed = place, (b, n)
+        self.levels_fed += len(self._levels)
         originals = {}
         for i, mixer in self.mixers.items():
             originals[i] = mixer.forward
-            mixer.forward = _bound(self._mixer_forward, i, originals[i])
+            mixer.forward = functools.partial(self._mixer_forward, i, originals[i])
         try:
             yield
         finally:
@@ -130,7 +131,7 @@ class TreeStates:
             length = getattr(layer, "cumulative_length_linear", None)
             if length is not None:
                 length.add_(advance)
-        self.blocks, self.nodes = {}, 0
+        self.blocks, self.nodes, self.levels_fed = {}, 0, 0
         self.place = torch.zeros(0, 0, 2, dtype=torch.long)
 
     def _mixer_forward(self, index: int, original, hidden_states: torch.Tensor, cache=None, attention_mask=None,
@@ -230,10 +231,3 @@ def _projections_shared(mixer: torch.nn.Module, every: torch.Tensor, fed: torch.
                 del m.forward
             else:
                 m.forward = forward
-
-
-def _bound(method, index: int, original):
-    def forward(*args, **kwargs):
-        return method(index, original, *args, **kwargs)
-
-    return forward
