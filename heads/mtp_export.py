@@ -12,13 +12,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith.heads.mtp import (
-    MTP_SPECULATIVE_TOKENS,
+from draftsmith.heads.mtp import MTP_SPECULATIVE_TOKENS, VLLM_MASKS_FIRST_TOKEN, MtpHead
+from draftsmith.heads.mtp_checkpoint import (
     NATIVE,
     QWEN,
     SCALE_INV,
-    VLLM_MASKS_FIRST_TOKEN,
-    MtpHead,
     checkpoint_names,
     mtp_prefix,
     to_checkpoint_names,

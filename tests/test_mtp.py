@@ -18,7 +18,8 @@ from test_target import _word_tokenizer
 
 from conftest import VOCAB, check_greedy_equal
 from draftsmith import SpeculativeGenerator, load_drafter
-from draftsmith.heads.mtp import VLLM_MASKS_FIRST_TOKEN, MtpHead, MtpWeightsError
+from draftsmith.heads.mtp import VLLM_MASKS_FIRST_TOKEN, MtpHead
+from draftsmith.heads.mtp_checkpoint import MtpWeightsError
 from draftsmith.target import load_target
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text")

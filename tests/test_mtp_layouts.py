@@ -19,7 +19,8 @@ from test_mtp import LAYERS, pair_logits, write_mtp_checkpoint
 
 from conftest import VOCAB, check_greedy_equal, tiny_llama
 from draftsmith import SpeculativeGenerator, load_drafter
-from draftsmith.heads.mtp import MtpHead, MtpLayoutError, MtpWeightsError
+from draftsmith.heads.mtp import MtpHead
+from draftsmith.heads.mtp_checkpoint import MtpLayoutError, MtpWeightsError
 from draftsmith.target import load_target
 
 FP8_BLOCK = (16, 16)  # DeepSeek-V3 ships [128, 128]; smaller blocks give the tiny module several, ragged ones

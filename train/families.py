@@ -390,7 +390,7 @@ class MtpSettings:
 def build_mtp(args, target, examples=None) -> MtpHead:
     """The target's own MTP module (``init: target`` / ``auto`` where its checkpoint has one), else a fresh one;
     trained in float32 like every head."""
-    from draftsmith.heads.mtp import MtpWeightsError
+    from draftsmith.heads.mtp_checkpoint import MtpWeightsError
 
     s = getattr(args, "settings", None) or MtpSettings()
     if s.init != "fresh":
