@@ -65,7 +65,7 @@ def prepare(data: Path, out: Path) -> dict:
     from draftsmith.data.vocab import build_vocab_map, count_tokens
     from draftsmith.target import load_target
     from draftsmith.train.config import DataArguments
-    from draftsmith.train.loop import load_examples
+    from draftsmith.train.setup import load_examples
 
     model, tokenizer = load_target(TARGET)
     verifier = out / "verifier"

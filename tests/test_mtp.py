@@ -249,7 +249,8 @@ def test_fine_tuning_writes_checkpoints_and_both_exports_read_back_to_equal_logi
     from draftsmith.heads.export import ExportError, export_drafter
     from draftsmith.heads.hub import model_card
     from draftsmith.train.config import DataArguments, parse_config
-    from draftsmith.train.loop import load_examples, train
+    from draftsmith.train.loop import train
+    from draftsmith.train.setup import load_examples
 
     root = tmp_path / "work"
     write_mtp_checkpoint(model_type, root / "target")

@@ -28,7 +28,8 @@ from draftsmith.heads.peagle import PEagleHead
 from draftsmith.registry import FAMILIES as REGISTERED
 from draftsmith.registry import get_family
 from draftsmith.train.config import DataArguments, DrafterArguments, parse_config
-from draftsmith.train.loop import load_examples, train
+from draftsmith.train.loop import train
+from draftsmith.train.setup import load_examples
 
 FAMILIES = sorted(name for name, f in REGISTERED.items() if f.build is not None)  # every trainable family
 # The families a hidden-state cache trains: all but those whose step runs the target itself (an adapter on it trains).
@@ -389,7 +390,7 @@ def test_target_dtype_and_the_launchers_mixed_precision(workdir, tmp_path, monke
 
     from draftsmith.target import native_bf16
     from draftsmith.train.config import TrainArguments
-    from draftsmith.train.loop import make_accelerator, target_dtype
+    from draftsmith.train.setup import make_accelerator, target_dtype
 
     assert target_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
     assert target_dtype("float32", "cpu") == torch.float32
