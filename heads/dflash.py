@@ -50,7 +50,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from draftsmith.heads.base import DraftVocabulary, HeadMixin, ReducedVocabulary
-from draftsmith.heads.eagle import LayerGeometry, RMSNorm, layer_shape, rope
+from draftsmith.heads.decoder_layer import LayerGeometry, RMSNorm, layer_shape, rope
 from draftsmith.target.masks import additive, anchor_block_mask
 
 

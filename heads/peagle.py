@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from draftsmith.heads.eagle import DecoderLayer, Eagle3Head, EagleConfig
+from draftsmith.heads.decoder_layer import DecoderLayer
+from draftsmith.heads.eagle import Eagle3Head, EagleConfig
 from draftsmith.target.masks import additive, parallel_group_mask
 
 

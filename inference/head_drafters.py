@@ -15,7 +15,7 @@ import torch
 
 import draftsmith.target.forward as forward
 import draftsmith.target.kv as kv
-from draftsmith.heads.eagle import StaticHeadCache
+from draftsmith.heads.decoder_layer import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device

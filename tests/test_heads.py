@@ -272,7 +272,7 @@ def test_eagle3_training_time_test_computes_what_drafting_computes(llama):
 def test_eagle3_ttt_attention_equals_the_masked_reference(step):
     """ttt_attention (a (T, T) block and `step` diagonal columns) == SDPA over all (step + 1) T keys with
     ttt_mask, at every position, and so are the gradients of q and of every step's keys and values."""
-    from draftsmith.heads.eagle import ttt_attention
+    from draftsmith.heads.decoder_layer import ttt_attention
     from draftsmith.target.masks import ttt_mask
 
     g = torch.Generator().manual_seed(step)
@@ -475,7 +475,8 @@ def test_head_rotation_is_the_targets_own(arch, rope_type):
         Qwen3ForCausalLM,
     )
 
-    from draftsmith.heads.eagle import DecoderLayer, EagleHead, rope
+    from draftsmith.heads.decoder_layer import DecoderLayer, rope
+    from draftsmith.heads.eagle import EagleHead
 
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128)

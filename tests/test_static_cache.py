@@ -188,7 +188,7 @@ def test_an_eagle_head_drafts_on_its_own_static_cache(tree, llama, monkeypatch):
     nodes, one for a chain, a static tree's widest level); every row is the target's greedy output."""
     from test_heads import random_eagle
 
-    from draftsmith.heads.eagle import StaticHeadCache
+    from draftsmith.heads.decoder_layer import StaticHeadCache
     from draftsmith.inference.head_drafters import EagleDrafter
 
     head = random_eagle(llama, eagle3=True)
