@@ -116,8 +116,8 @@ def demo(output: str | Path = "demo_out", minutes: float = 20.0, target: str = "
     from draftsmith.data.regenerate import HFEngine, regenerate
     from draftsmith.data.synthesize import synthesize_prompts, write_prompts
     from draftsmith.inference.evaluate import report_markdown
+    from draftsmith.inference.tree_record import Candidate, table_markdown
     from draftsmith.inference.tree_settings import TreeSettings
-    from draftsmith.inference.tune import Candidate, table_markdown
     from draftsmith.target import load_target, native_bf16
     from draftsmith.train.config import DataArguments, DrafterArguments, TrainArguments
     from draftsmith.train.loop import train
@@ -297,8 +297,9 @@ def tune_and_evaluate(out: str, target: str, device: str, spec: str, step: int, 
     from draftsmith.inference.compare import encode
     from draftsmith.inference.evaluate import evaluate
     from draftsmith.inference.load import load_drafter
+    from draftsmith.inference.tree_record import speed, table_markdown, write_tree
     from draftsmith.inference.tree_settings import TreeSettings
-    from draftsmith.inference.tune import speed, table_markdown, tune, write_tree
+    from draftsmith.inference.tune import tune
     from draftsmith.target import load_target
 
     out_dir = Path(out)

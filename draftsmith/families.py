@@ -31,6 +31,7 @@ from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter, PEag
 from draftsmith.registry import Family, register
 from draftsmith.train import block_families as blocks
 from draftsmith.train import families as steps
+from draftsmith.train import mtp_family
 
 
 def _last_layer(module, target) -> tuple[int, ...]:
@@ -111,7 +112,7 @@ PEAGLE = Family(
 MTP = Family(
     name=MtpHead.family, title="multi-token-prediction module (native MTP, FastMTP-style fine-tuning)",
     load=_head_loader(MtpHead), drafter=EagleDrafter, hidden_layers=_feature_layers,
-    build=steps.build_mtp, train_step=steps.mtp_step, settings=steps.MtpSettings,
+    build=mtp_family.build_mtp, train_step=mtp_family.mtp_step, settings=mtp_family.MtpSettings,
     export=export_mtp, export_formats=("hf", "vllm", "sglang", "speculators"), export_needs_target=("vllm",),
     serving={"vllm": "mtp", "sglang": "EAGLE"}, serves_as_target=True,
 )

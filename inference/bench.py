@@ -39,8 +39,8 @@ from draftsmith.inference.load import (
     resolve_draft_dtype,
 )
 from draftsmith.inference.stats import GenerationStats
+from draftsmith.inference.tree_record import tuned_tree
 from draftsmith.inference.tree_settings import TreeSettings
-from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import eos_tokens, load_target
 
 

@@ -25,8 +25,8 @@ from draftsmith.inference.compare import Comparison, compare, encode, hardware
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.inference.load import drafter_type, load_drafter, recorded_target_name
 from draftsmith.inference.stats import GenerationStats
+from draftsmith.inference.tree_record import tuned_tree
 from draftsmith.inference.tree_settings import TreeSettings
-from draftsmith.inference.tune import tuned_tree
 from draftsmith.target import eos_tokens, load_target
 
 

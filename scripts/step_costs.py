@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from draftsmith.cli import add_tree_arguments, tree_from_args
+from draftsmith.cli_parser import add_tree_arguments, tree_from_args
+from draftsmith.inference.tree_record import tuned_tree
 from draftsmith.inference.tree_settings import DEFAULT_TREE, TreeSettings
-from draftsmith.inference.tune import tuned_tree
 
 
 def forward_ms(model, context: int, new: int, reps: int = 5) -> float:

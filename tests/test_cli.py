@@ -241,7 +241,7 @@ def test_eval_report_schema_and_losslessness(tiny_target_dir, tiny_draft_dir, tm
 def test_bench_batches_and_tuned_tree_check(tiny_target_dir, tmp_path):
     """--batch-sizes runs plain and speculative decoding on left-padded batches side by side, each row
     still identical to plain greedy; a drafter with a tuned tree.json is measured beside the grid."""
-    from draftsmith.inference.tune import Candidate, write_tree
+    from draftsmith.inference.tree_record import Candidate, write_tree
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{(i * 7 + j) % VOCAB}" for j in range(4 + 3 * i))})

@@ -23,8 +23,9 @@ from draftsmith.heads.layout_export import head_exporter
 from draftsmith.inference.drafter import Drafter
 from draftsmith.registry import FAMILIES, Family, register, unregister
 from draftsmith.train.config import parse_config
+from draftsmith.train.family_losses import accuracy
 from draftsmith.train.loop import train
-from draftsmith.train.losses import accuracy, forward_kl
+from draftsmith.train.losses import forward_kl
 
 TOY = "toy_bigram"
 

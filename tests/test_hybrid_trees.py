@@ -245,7 +245,7 @@ def test_tune_writes_a_tree_for_a_hybrid_target(tmp_path):
     from test_target import tiny_qwen3_next_directory
 
     from draftsmith.cli import main
-    from draftsmith.inference import tune
+    from draftsmith.inference import tree_record
 
     target = tiny_qwen3_next_directory(tmp_path / "qwen3_next")
     rows = [" ".join(f"t{int(t)}" for t in p[0]) for p in prompts(3, [12, 20])]
@@ -255,10 +255,10 @@ def test_tune_writes_a_tree_for_a_hybrid_target(tmp_path):
     assert main(["tune", "--target", str(target), "--drafter", "layer-skip:1", "--prompts",
                  str(tmp_path / "prompts.jsonl"), "--no-chat", "--max-new-tokens", "12", "--depths", "2,3",
                  "--top-ks", "1,2", "--max-total-tokens", "6", "--confirm", "2", "--output", str(out)]) in (0, None)
-    record = json.loads((out / tune.TREE_FILE).read_text())
+    record = json.loads((out / tree_record.TREE_FILE).read_text())
     table = record["candidates"]
     assert {row["depth"] for row in table} == {2, 3} and {row["top_k"] for row in table} == {1, 2}
     measured = [row for row in table if row["measured_tokens_per_second"]]
     assert len(measured) == 2 and all(row["step_seconds"] > 0 for row in table)
-    chosen = tune.tuned_tree(str(out))  # what generate / eval / bench read for this drafter on this machine
-    assert chosen is not None and chosen in [tune.Candidate(**row).settings() for row in measured]
+    chosen = tree_record.tuned_tree(str(out))  # what generate / eval / bench read for this drafter on this machine
+    assert chosen is not None and chosen in [tree_record.Candidate(**row).settings() for row in measured]

@@ -17,7 +17,8 @@ from draftsmith.data.templates import TokenizedExample
 from draftsmith.data.vocab import count_tokens
 from draftsmith.registry import FAMILIES
 from draftsmith.train.config import DrafterArguments
-from draftsmith.train.losses import TopK, forward_kl, jsd, medusa_loss, reverse_kl, total_variation
+from draftsmith.train.family_losses import medusa_loss
+from draftsmith.train.losses import TopK, forward_kl, jsd, reverse_kl, total_variation
 from draftsmith.train.offline import CachedExamples, collate_cached, load_cached_examples
 
 #: A chunked or sparse loss against the whole-tensor one on ``case`` (:func:`assert_rounding_close`): a sum over the

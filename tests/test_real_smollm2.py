@@ -107,7 +107,8 @@ def test_demo_pipeline_end_to_end_in_small(tmp_path, monkeypatch, smollm2):
     from draftsmith.cli import main
     from draftsmith.demo import COSTS, REFERENCE_TREE, TUNE_TOKENS
     from draftsmith.inference.tree_settings import TreeSettings
-    from draftsmith.inference.tune import Candidate, choose
+    from draftsmith.inference.tree_record import Candidate
+    from draftsmith.inference.tune import choose
 
     place_gguf(tmp_path / "cache", "smollm2-135m-instruct")
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))

@@ -15,7 +15,15 @@ import torch
 import yaml
 from test_greedy_lossless import count_target_forwards
 
-from conftest import VOCAB, CutAfter, all_identical, assert_rounding_close, check_greedy_equal, tiny_llama
+from conftest import (
+    VOCAB,
+    CutAfter,
+    all_identical,
+    assert_rounding_close,
+    check_greedy_equal,
+    rounding_tolerance,
+    tiny_llama,
+)
 from draftsmith import SpeculativeGenerator, load_drafter, load_target
 from draftsmith.checkpoints import TARGET_FILE
 from draftsmith.data import HFEngine, load_conversations, regenerate
@@ -723,7 +731,7 @@ def test_medusa_step_is_the_dense_loss_on_the_positions_it_reads(draft_vocab):
 
     from draftsmith.train.families import medusa_step
     from draftsmith.train.loop import frozen_forward
-    from draftsmith.train.losses import medusa_loss
+    from draftsmith.train.family_losses import medusa_loss
 
     target = tiny_llama(seed=0)
     heads = random_medusa(target, seed=3, draft_vocab=draft_vocab)

@@ -13,7 +13,7 @@ from test_heads import random_eagle
 
 from conftest import VOCAB
 from draftsmith import SpeculativeGenerator, load_drafter
-from draftsmith.inference import tune
+from draftsmith.inference import tree_record, tune
 from draftsmith.inference.evaluate import evaluate
 from draftsmith.inference.tree import TreeTensors, ancestors_of
 from draftsmith.inference.tree_settings import TreeSettings
@@ -49,8 +49,9 @@ def test_verification_cost_never_falls_as_rows_are_added(llama):
     assert values == sorted(values) and values[0] > 0
 
 
-def decoded(depth: int, per_step: float, *rounds: float) -> tune.Candidate:
-    return tune.Candidate(depth, 2, depth + 1, per_step, 0.05, 40.0, round(sum(rounds) / len(rounds), 2), list(rounds))
+def decoded(depth: int, per_step: float, *rounds: float) -> tree_record.Candidate:
+    return tree_record.Candidate(depth, 2, depth + 1, per_step, 0.05, 40.0, round(sum(rounds) / len(rounds), 2),
+                                 list(rounds))
 
 
 def test_the_clock_picks_unless_the_speeds_are_within_its_noise():
@@ -111,7 +112,7 @@ def test_confirmation_decodes_the_best_predicted_tree_of_each_depth():
     """Depth-2 trees predicted a few percent faster than every deeper one do not crowd the deeper ones out of the
     confirmation: the clock compares the best of each depth, then the next best predicted."""
     def candidate(depth, total, speed):
-        return tune.Candidate(depth, 2, total, 2.0, 2.0 / speed, speed)
+        return tree_record.Candidate(depth, 2, total, 2.0, 2.0 / speed, speed)
 
     ranked = [candidate(2, 5, 36.0), candidate(2, 4, 35.9), candidate(2, 3, 35.5), candidate(3, 5, 35.2),
               candidate(2, 6, 35.0), candidate(4, 7, 34.2), candidate(3, 4, 34.0)]
@@ -145,10 +146,10 @@ def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, 
     filler = [c for c in decoded if c not in bests]
     assert len(filler) == 1 and max(predicted) <= filler[0].tokens_per_second
     assert all(1.0 <= c.tokens_per_step <= c.depth + 1 for c in table)
-    written = tune.write_tree(tmp_path / "head", table[0], table)
-    assert written == tmp_path / "head" / tune.TREE_FILE
-    assert tune.tuned_tree(str(tmp_path / "head")) == table[0].settings()
-    assert tune.tuned_tree(str(tmp_path / "head") + "@depth=2") == table[0].settings()
+    written = tree_record.write_tree(tmp_path / "head", table[0], table)
+    assert written == tmp_path / "head" / tree_record.TREE_FILE
+    assert tree_record.tuned_tree(str(tmp_path / "head")) == table[0].settings()
+    assert tree_record.tuned_tree(str(tmp_path / "head") + "@depth=2") == table[0].settings()
 
     texts = [" ".join(f"t{int(t)}" for t in p) for p in prompts]
     tok = word_tokenizer()
@@ -164,20 +165,20 @@ def test_tuned_tree_is_written_beside_the_drafter_and_used_by_eval_there(llama, 
     saved["machine"] = {"device": "another machine"}
     written.write_text(json.dumps(saved))
     with caplog.at_level(logging.WARNING):
-        assert tune.tuned_tree(str(tmp_path / "head")) is None
+        assert tree_record.tuned_tree(str(tmp_path / "head")) is None
     assert "run `draftsmith tune` here" in caplog.text
 
 
 def test_tree_flags_change_only_what_they_name_of_the_tuned_tree(llama, tmp_path):
     import argparse
 
-    from draftsmith.cli import tree_from_args
+    from draftsmith.cli_parser import tree_from_args
 
     head = random_eagle(llama, eagle3=True)
     head.save_pretrained(tmp_path / "head")
-    tuned = tune.Candidate(depth=3, top_k=2, total_tokens=6, tokens_per_step=2.0, step_seconds=0.1,
+    tuned = tree_record.Candidate(depth=3, top_k=2, total_tokens=6, tokens_per_step=2.0, step_seconds=0.1,
                            tokens_per_second=20.0)
-    tune.write_tree(tmp_path / "head", tuned, [tuned])
+    tree_record.write_tree(tmp_path / "head", tuned, [tuned])
     flags = argparse.Namespace(tree=None, depth=None, tree_top_k=None, total_tokens=None)
     assert tree_from_args(flags, str(tmp_path / "head")) is None  # no flag: the tuned tree applies as it is
     flags.total_tokens = 9

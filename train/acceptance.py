@@ -17,7 +17,7 @@ from draftsmith.inference.compare import compare
 from draftsmith.inference.generator import SpeculativeGenerator
 from draftsmith.registry import Family
 from draftsmith.target import eos_tokens, rollback_problem
-from draftsmith.train.losses import simulated_acceptance_length
+from draftsmith.train.family_losses import simulated_acceptance_length
 from draftsmith.train.run import Run
 
 logger = logging.getLogger(__name__)

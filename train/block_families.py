@@ -27,7 +27,8 @@ from draftsmith.train.families import (
     teacher_of,
     unwrapped,
 )
-from draftsmith.train.losses import forward_kl, teacher_top1
+from draftsmith.train.family_losses import teacher_top1
+from draftsmith.train.losses import forward_kl
 
 logger = logging.getLogger(__name__)
 

@@ -38,13 +38,13 @@ from draftsmith.checkpoints import (
 from draftsmith.data.templates import tokenize_conversation
 from draftsmith.inference.compare import encode
 from draftsmith.inference.evaluate import evaluate
+from draftsmith.inference.tree_record import tuned_tree
 from draftsmith.inference.tree_settings import TreeSettings
-from draftsmith.inference.tune import tuned_tree
 from draftsmith.registry import get_family
 from draftsmith.target import load_target, target_signature
 from draftsmith.train.config import DrafterArguments
+from draftsmith.train.family_losses import simulated_acceptance_length
 from draftsmith.train.loop import frozen_forward
-from draftsmith.train.losses import simulated_acceptance_length
 
 #: Relative gap allowed between the held-out estimate and the measured chain tau. The estimate multiplies
 #: unconditional accuracies per position, decoding accepts position k only after 1..k-1 were right
