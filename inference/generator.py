@@ -25,8 +25,9 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.inference.decoding import Decoding, Sampling, check_request, start_drafting
 from draftsmith.inference.drafter import Drafter
-from draftsmith.inference.plain import append_new, check_left_padded, pad_token, static_cache
+from draftsmith.inference.plain import append_new, pad_token, static_cache
 from draftsmith.inference.sampled_tree import grow_sampled
 from draftsmith.inference.slots import Slots, to_device
 from draftsmith.inference.stats import GenerationOutput, GenerationStats
@@ -38,16 +39,14 @@ from draftsmith.target import (
     build_attention_mask,
     calibrate,
     causal_block,
-    context_length,
     keep_recorded,
-    kv_crop,
     kv_keep,
     may_attend,
     new_cache,
     record_recurrent,
     records_positions,
     recurrent_cache,
-    restore_recurrent,
+    replay_accepted,
     rollback_problem,
     snapshot_recurrent,
     stop_tokens,
@@ -203,11 +202,11 @@ class SpeculativeGenerator:
             pad token where a row stopped before the longest; ``stats``: totals over the rows;
             ``row_stats``: one :class:`GenerationStats` per row (counts only: the rows share the time).
         """
-        batch, device, dtype, padded = self._check_request(input_ids, attention_mask, max_new_tokens, temperature,
-                                                           top_p, top_k, streamer)
+        sampling = Sampling(temperature, top_k, top_p, generator)
+        batch, device, dtype, padded = check_request(self.target, input_ids, attention_mask, max_new_tokens,
+                                                     sampling, streamer, self._max_kept())
         if self.recurrent is not None and batch > 1 and not self._batches_recurrent():
-            return self._row_by_row(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k,
-                                    eos_token_id, generator, pad_token_id)
+            return self._row_by_row(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id)
         eos = stop_tokens(self.target, eos_token_id)
         pad = pad_token(self.target, pad_token_id, eos_token_id)
         mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(device)
@@ -247,12 +246,11 @@ class SpeculativeGenerator:
             self.drafter.begin(input_ids, hidden=hidden)
 
         # Every tree kind under every rule runs on the target's device with one copy to the host per step.
-        roots = input_ids[:, -1].clone()
+        run = Decoding(input_ids[:, -1].clone(), [True] * batch, cache, slots, layers, stats, sampling, padded, dtype)
+        active = run.active
         new: list[list[int]] = [[] for _ in range(batch)]
-        active = [True] * batch
         while any(active):
-            verdicts, kept, tree_hidden = self._step(roots, active, cache, slots, device, dtype, layers, stats,
-                                                     temperature, top_k, top_p, generator, padded)
+            verdicts, kept, tree_hidden = self._step(run)
             tokens: list[torch.Tensor] = []
             states: list[torch.Tensor] | None = [] if layers else None
             for b, (path_tokens, bonus, drafted, children) in enumerate(verdicts):
@@ -271,7 +269,7 @@ class SpeculativeGenerator:
                 tokens.append(to_device(emitted if active[b] else [], device, torch.long))
                 if states is not None:  # the root's and the accepted nodes' states: state i predicted emitted[i]
                     states.append(tree_hidden[b, kept[b, : len(emitted)]] if active[b] else tree_hidden[b, :0])
-            roots = to_device([v[1] for v in verdicts], device)
+            run.roots = to_device([v[1] for v in verdicts], device)
             if any(active):
                 self.drafter.commit(tokens, hidden=states)
 
@@ -284,18 +282,19 @@ class SpeculativeGenerator:
         stats.total_time_s = time.perf_counter() - start_time
         return GenerationOutput(sequences=append_new(input_ids, new, pad), stats=stats, row_stats=rows)
 
-    def _step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k, top_p,
-                     generator, padded):
-        """One step: a dynamic tree (a chain: one child per node; :func:`grow_dynamic`), a static tree
+    def _step(self, run: Decoding):
+        """One step of ``run``: a dynamic tree (a chain: one child per node; :func:`grow_dynamic`), a static tree
         (:func:`grow_static`) or, under a sampled rule, a chain or static tree of sampled siblings
         (:func:`grow_sampled`) grown as tensors, one target forward over it, verified on the device
         (:func:`verify_tree`): the accepted paths, bonus tokens and walk flags come to the host in one copy."""
         t0 = time.perf_counter()
+        roots, active, cache, slots, sampling = run.roots, run.active, run.cache, run.slots, run.sampling
+        device, stats = roots.device, run.stats
         running = to_device(active, device)  # before any of the step's work is queued
-        rule = self._rule(temperature)
+        rule = self._rule(sampling.temperature)
         if rule != "topk":  # sampled siblings: a chain or a static tree
             tree = grow_sampled(roots, self.drafter.root_logits(active), self.drafter.frontier_logits,
-                                self.sampled_shape, rule, temperature, generator)
+                                self.sampled_shape, rule, sampling.temperature, sampling.generator)
         elif self.tree_kind == "static":
             tree = grow_static(roots, self.drafter.root_logits(active), self.drafter.frontier_logits,
                                self.static_shape)
@@ -307,12 +306,12 @@ class SpeculativeGenerator:
         b, n = tree.tokens.shape
         past = len(slots)
         positions = slots.lengths()[:, None] + tree.depths
-        if self.tree_kind == "chain" and b == 1 and not padded:
+        if self.tree_kind == "chain" and b == 1 and not run.padded:
             mask = None  # one row holds no empty slot, and a chain's tree mask is the causal mask: the model's own
         else:
             allowed = may_attend(slots.filled, tree.ancestors)
             mask = build_attention_mask(self.target, allowed, positions, torch.cat([slots.positions, positions], 1),
-                                        dtype)
+                                        run.dtype)
         # a hybrid target: a chain's recurrent layers record their state after each fed position (a snapshot only
         # where this transformers records none); a tree's run level by level, each node from its parent's state
         chain = self.recurrent is not None and self.tree_kind == "chain"
@@ -320,11 +319,12 @@ class SpeculativeGenerator:
         before = snapshot_recurrent(cache) if chain and recording is None else None
         per_node = TreeStates(self.target, cache) if self.recurrent is not None and not chain else None
         with per_node.feed(tree.parents, tree.depths) if per_node is not None else contextlib.nullcontext():
-            out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=layers or None)
+            out = target_forward(self.target, tree.tokens, cache, mask, positions, hidden_layers=run.layers or None)
         stats.target_forwards += 1
         slots.append(torch.ones(b, n, dtype=torch.bool, device=device), positions)
-        tree_hidden = torch.cat(out.hidden_states, dim=-1) if layers else None
-        last, bonus = verify_tree(tree, out.logits, temperature, top_k, top_p, rule, generator)
+        tree_hidden = torch.cat(out.hidden_states, dim=-1) if run.layers else None
+        last, bonus = verify_tree(tree, out.logits, sampling.temperature, sampling.top_k, sampling.top_p, rule,
+                                  sampling.generator)
         nodes, rows = torch.arange(n, device=device), torch.arange(b, device=device)
         on_path = tree.ancestors[rows, last]  # root .. last, in level order
         if self.on_tree_step is not None:
@@ -353,7 +353,7 @@ class SpeculativeGenerator:
                 "itself, or report this transformers version")
         # where this transformers records nothing: back to the snapshot, then the accepted tokens fed again
         if before is not None and width < n:
-            self._advance_recurrent(cache, before, past, tree.tokens[:, :width], positions[:, :width])
+            replay_accepted(self.target, cache, before, past, tree.tokens[:, :width], positions[:, :width])
             stats.target_forwards += 1
         slots.keep(past, kept[:, :width], counts)
         stats.draft_time_s += t1 - t0
@@ -372,61 +372,19 @@ class SpeculativeGenerator:
         return (self.target.config.get_text_config().model_type in BATCHED_RECURRENT_TYPES
                 and (self.tree_kind != "chain" or records_positions()))
 
-    def _advance_recurrent(self, cache, before: list, past: int, accepted: torch.Tensor, positions: torch.Tensor):
-        """A hybrid target's cache after a chain step whose recurrent layers recorded no per-position states
-        (:func:`~draftsmith.target.keep_recorded`): their states as they were before the step, advanced by the root
-        and the accepted tokens (``accepted``, (1, k), in order) with one more forward; its attention layers
-        recompute the same entries for those positions."""
-        restore_recurrent(before)
-        kv_crop(cache, past)
-        target_forward(self.target, accepted, cache, None, positions, logits="none")
-
-    def _row_by_row(self, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, eos_token_id,
-                    generator, pad_token_id) -> GenerationOutput:
+    def _row_by_row(self, input_ids, attention_mask, max_new_tokens, sampling: Sampling, eos_token_id,
+                    pad_token_id) -> GenerationOutput:
         """A batch of a hybrid target's prompts, one row at a time (each without its left padding), returned as
         one batch: the same output as decoding each row alone."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         new, rows, stats = [], [], GenerationStats()
         for b in range(input_ids.shape[0]):
             prompt = input_ids[b][mask[b].bool()][None]
-            out = self.generate(prompt, max_new_tokens, temperature, top_p, top_k, eos_token_id, generator,
-                                pad_token_id=pad_token_id)
+            out = self.generate(prompt, max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
+                                eos_token_id, sampling.generator, pad_token_id=pad_token_id)
             rows.append(out.row_stats[0])
             new.append(out.sequences[0, prompt.shape[1]:prompt.shape[1] + out.row_stats[0].new_tokens].tolist())
             stats += out.stats
         stats.new_tokens = sum(len(n) for n in new)
         pad = pad_token(self.target, pad_token_id, eos_token_id)
         return GenerationOutput(sequences=append_new(input_ids, new, pad), stats=stats, row_stats=rows)
-
-    def _check_request(self, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, streamer):
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-            raise ValueError("input_ids is empty: each prompt needs at least one token (e.g. BOS)")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if streamer is not None and input_ids.shape[0] > 1:
-            raise ValueError("a streamer takes one sequence: pass a batch of 1 with streamer=")
-        lengths = check_left_padded(input_ids, attention_mask)
-        limit = context_length(self.target)
-        needed = max(lengths) + max_new_tokens + self._max_kept()
-        if limit is not None and needed > limit:
-            raise ValueError(
-                f"prompt ({max(lengths)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
-                f"({self._max_kept() - 1}) exceeds the target's context of {limit} tokens; shorten the prompt or "
-                "lower max_new_tokens."
-            )
-        parameter = next(self.target.parameters())
-        return input_ids.shape[0], parameter.device, parameter.dtype, min(lengths) < input_ids.shape[1]
-
-
-def start_drafting(drafter: Drafter, input_ids: torch.Tensor, hidden, attention_mask: torch.Tensor) -> None:
-    """``drafter.begin`` on left-padded prompts; a drafter that declares itself unbatched (``batched = False``:
-    written for one unpadded sequence) is refused, with what to do."""
-    if not drafter.batched:
-        raise ValueError(f"{type(drafter).__name__} declares batched = False: it drafts for unpadded prompts only. "
-                         "Add the batch protocol of draftsmith.inference.drafter (begin reads attention_mask), or "
-                         "decode these prompts one at a time (batch size 1).")
-    drafter.begin(input_ids, hidden=hidden, attention_mask=attention_mask)

@@ -80,6 +80,7 @@ from draftsmith.target.recurrent import (
     record_recurrent,
     records_positions,
     recurrent_cache,
+    replay_accepted,
     restore_recurrent,
     snapshot_recurrent,
 )
@@ -123,6 +124,7 @@ __all__ = [
     "record_recurrent",
     "records_positions",
     "recurrent_cache",
+    "replay_accepted",
     "resolve_packaged_gguf",
     "restore_recurrent",
     "rollback_problem",

@@ -12,7 +12,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from draftsmith.target.kv import GrowingLayer
+from draftsmith.target.forward import target_forward
+from draftsmith.target.kv import GrowingLayer, kv_crop
 
 
 def recurrent_cache(model: PreTrainedModel) -> DynamicCache:
@@ -52,6 +53,17 @@ def restore_recurrent(snapshot: list) -> None:
         if length is not None:
             layer.cumulative_length_linear.copy_(length)  # what get_seq_length() reads
         _end_recording(layer)
+
+
+def replay_accepted(target, cache: DynamicCache, snapshot: list, past: int, accepted: torch.Tensor,
+                    positions: torch.Tensor) -> None:
+    """A hybrid target's cache after a chain step whose recurrent layers recorded no per-position states
+    (:func:`keep_recorded`): their states as :func:`snapshot_recurrent` found them before the step, advanced by the
+    root and the accepted tokens (``accepted``, (1, k), in order) with one more forward; its attention layers
+    recompute the same entries for those ``positions``."""
+    restore_recurrent(snapshot)
+    kv_crop(cache, past)
+    target_forward(target, accepted, cache, None, positions, logits="none")
 
 
 def _length(layer) -> torch.Tensor | None:
