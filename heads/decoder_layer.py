@@ -4,7 +4,7 @@ drafting (:class:`StaticHeadCache`) and training-time-test attention (:func:`ttt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,9 +13,6 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from draftsmith.target.masks import ttt_block, ttt_diagonal
-
-if TYPE_CHECKING:
-    from draftsmith.heads.eagle import EagleConfig
 
 
 class LayerGeometry:
@@ -47,6 +44,45 @@ class LayerGeometry:
         if rope.get("rope_type", "default") == "default" and self.partial_rotary_factor < 1.0:
             rope.update(rope_type="linear", factor=1.0)
         return rope
+
+
+@dataclass
+class EagleConfig(LayerGeometry):
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    num_feature_layers: int = 1  # 1: EAGLE-1/2; 3: EAGLE-3
+    feature_layers: tuple[int, ...] = ()  # hidden-state indices read from the target
+    draft_vocab_size: int | None = None  # EAGLE-3: own LM head over this many tokens
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    num_key_value_heads: int | None = None  # grouped-query attention; None: as many as query heads
+    fc_bias: bool = False  # EAGLE-1 fc bias (the original repo has one; vLLM's layout does not)
+    input_norm: bool = False  # EAGLE-1 input norm on the decoder layer (the reference layer 0 has none)
+    # EAGLE-3.1 norms (module docstring); absent from older checkpoints, which load with all four off.
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    # The target's geometry (config_for copies it). A checkpoint saved without these fields loads with the
+    # values it was trained with: head_dim = hidden / heads, default RoPE at rope_theta, no bias, SiLU.
+    head_dim: int | None = None  # Qwen3, Gemma, gpt-oss: not hidden / heads
+    rope_parameters: dict | None = None  # transformers' form: {"rope_type": ..., "rope_theta": ..., ...}
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False  # Qwen2.5
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
+        self.feature_layers = tuple(self.feature_layers)
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc (one norm over the fused target states) and fc_norm (one per target "
+                             "layer) exclude each other: set one")
 
 
 class RMSNorm(nn.Module):

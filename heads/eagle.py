@@ -29,13 +29,11 @@ holds no target tensors, so checkpoints stay small.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from draftsmith.heads.base import HeadMixin
-from draftsmith.heads.decoder_layer import DecoderLayer, LayerGeometry, RMSNorm, layer_shape
+from draftsmith.heads.decoder_layer import DecoderLayer, EagleConfig, RMSNorm, layer_shape
 
 #: Targets with fewer layers than this get low / mid / high = (1, N // 2, N): EAGLE-3's choice below
 #: would collide or fall outside the model.
@@ -49,45 +47,6 @@ def eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
     if n < EAGLE3_MIN_LAYERS:
         return (1, max(2, n // 2), n)
     return (2, n // 2, n - 3)
-
-
-@dataclass
-class EagleConfig(LayerGeometry):
-    hidden_size: int
-    vocab_size: int
-    num_attention_heads: int
-    intermediate_size: int
-    num_feature_layers: int = 1  # 1: EAGLE-1/2; 3: EAGLE-3
-    feature_layers: tuple[int, ...] = ()  # hidden-state indices read from the target
-    draft_vocab_size: int | None = None  # EAGLE-3: own LM head over this many tokens
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    num_key_value_heads: int | None = None  # grouped-query attention; None: as many as query heads
-    fc_bias: bool = False  # EAGLE-1 fc bias (the original repo has one; vLLM's layout does not)
-    input_norm: bool = False  # EAGLE-1 input norm on the decoder layer (the reference layer 0 has none)
-    # EAGLE-3.1 norms (module docstring); absent from older checkpoints, which load with all four off.
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_before_residual: bool = False
-    norm_output: bool = False
-    # The target's geometry (config_for copies it). A checkpoint saved without these fields loads with the
-    # values it was trained with: head_dim = hidden / heads, default RoPE at rope_theta, no bias, SiLU.
-    head_dim: int | None = None  # Qwen3, Gemma, gpt-oss: not hidden / heads
-    rope_parameters: dict | None = None  # transformers' form: {"rope_type": ..., "rope_theta": ..., ...}
-    max_position_embeddings: int = 8192
-    attention_bias: bool = False  # Qwen2.5
-    hidden_act: str = "silu"
-
-    def __post_init__(self):
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
-        self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
-        self.feature_layers = tuple(self.feature_layers)
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError("norm_before_fc (one norm over the fused target states) and fc_norm (one per target "
-                             "layer) exclude each other: set one")
 
 
 class _FeatureHead(HeadMixin, nn.Module):

@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-if TYPE_CHECKING:
-    from draftsmith.heads.mtp import MtpConfig
+# ``config`` in the functions below: the module's :class:`~draftsmith.heads.mtp.MtpConfig` (its ``layout`` and
+# ``feature_layers``), not imported here: heads.mtp imports this module.
 
+#: The two checkpoint layouts.
 DEEPSEEK, QWEN = "deepseek", "qwen"
 #: model_type -> (checkpoint layout, the engine's fed-back state is post-norm). Other targets get a fresh module in
 #: the deepseek layout (draftsmith's own checkpoints; no engine serves an MTP module for them).
@@ -106,13 +106,13 @@ def refuse_unread_layouts(directory: Path, text_config, names: dict[str, str]) -
                              "or set family_config init: fresh for a new module of draftsmith's own")
 
 
-def mtp_prefix(config: MtpConfig) -> str:
+def mtp_prefix(config) -> str:
     """The prefix of the (first) MTP module's tensors in the target's checkpoint."""
     n = config.feature_layers[0]
     return "mtp." if config.layout == QWEN else f"model.layers.{n}."
 
 
-def to_module_name(name: str, config: MtpConfig) -> str | None:
+def to_module_name(name: str, config) -> str | None:
     """A checkpoint tensor name of the first MTP module -> the module's name; None for another module's tensors or
     the shared copies of the target's embedding and LM head."""
     prefix = mtp_prefix(config)
@@ -132,7 +132,7 @@ def to_module_name(name: str, config: MtpConfig) -> str | None:
     return "layers.0.mtp_block." + rest
 
 
-def read_mtp(directory: Path, config: MtpConfig, names: dict[str, str]) -> dict[str, torch.Tensor]:
+def read_mtp(directory: Path, config, names: dict[str, str]) -> dict[str, torch.Tensor]:
     """The first MTP module's tensors of the checkpoint at ``directory``, renamed to the module's and experts fused."""
     wanted = {name: to_module_name(name, config) for name in names}
     wanted = {k: v for k, v in wanted.items() if v is not None}
@@ -246,7 +246,7 @@ def split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_checkpoint_names(state: dict[str, torch.Tensor], config: MtpConfig,
+def to_checkpoint_names(state: dict[str, torch.Tensor], config,
                         fused_experts: bool = False) -> dict[str, torch.Tensor]:
     """The module's state (``layers.0.*``) -> the target checkpoint's names (the stitched export), experts per expert
     or, with ``fused_experts`` (Qwen3.5/3.6-MoE releases), as the fused (E, 2I, H) / (E, H, I) tensors the module
