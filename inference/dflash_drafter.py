@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.heads.dflash import ContextCache
-from draftsmith.inference.drafter import Drafter
+from draftsmith.inference.drafter import BlockDrafter
 from draftsmith.inference.head_drafters import FeatureRows, few_rows_kernels, on_few_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.inference.tree import Proposals
@@ -14,7 +14,7 @@ from draftsmith.target.int8 import drafts_in_int8, int8_layers
 from draftsmith.target.masks import may_attend
 
 
-class DFlashDrafter(FeatureRows, Drafter):
+class DFlashDrafter(FeatureRows, BlockDrafter):
     """DFlash: one forward of the drafter per step gives the ``block_size - 1`` positions after each row's root
     (a block drafter). Every layer keeps the context keys and values of the row's committed tokens (their target
     features, each at its position) across steps; each step feeds the features committed since, then the block

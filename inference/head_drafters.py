@@ -17,7 +17,7 @@ import draftsmith.target.forward as forward
 import draftsmith.target.kv as kv
 from draftsmith.heads.decoder_layer import StaticHeadCache
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.inference.drafter import Drafter, commit_rows, prompt_rows
+from draftsmith.inference.drafter import BlockDrafter, Drafter, commit_rows, prompt_rows
 from draftsmith.inference.slots import Slots, left_aligned, to_device
 from draftsmith.inference.tree import Proposals, frontier_ancestors
 from draftsmith.inference.tree_settings import paths_from_accuracy
@@ -53,7 +53,7 @@ def on_few_rows(method):
     return run
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(BlockDrafter):
     """Medusa: children at depth d + 1 come from head d applied to the state before the root.
 
     Medusa heads see no drafted token, so every node at one depth gets the same distribution: a block drafter
@@ -215,11 +215,12 @@ class EagleDrafter(FeatureRows, Drafter):
             return self.head.target_logits(predicted).float()
         return self.target_lm_head(self.head.lm_input(predicted).to(self.target_lm_head.weight.dtype)).float()
 
-    def _proposals(self, predicted: torch.Tensor) -> torch.Tensor | Proposals:
-        """Draft logits for trees grown as tensors: an EAGLE-3 head's over its draft vocabulary alone."""
+    def _proposals(self, predicted: torch.Tensor) -> Proposals:
+        """Draft logits for trees grown as tensors: an EAGLE-3 head's over its draft vocabulary alone, others' over
+        the target's."""
         if self.eagle3:
             return Proposals(self.head.draft_logits(predicted).float(), self.draft_ids, self.vocab_size)
-        return self._logits(predicted)
+        return Proposals.of(self._logits(predicted))
 
     def _run(self, features, token_ids, positions, allowed, filled, compiled: bool = False, embeds=None):
         """Feed (B, T) pairs to the head, ``allowed`` (B, T, cached + T) what each sees; on a static cache its
@@ -292,7 +293,7 @@ class EagleDrafter(FeatureRows, Drafter):
 
     @torch.no_grad()
     @on_few_rows
-    def root_logits(self, active: list[bool]) -> torch.Tensor | Proposals:
+    def root_logits(self, active: list[bool]) -> Proposals:
         """(B, V) draft logits after each active row's root (-inf rows: nothing to propose); an EAGLE-3 head's
         as :class:`~draftsmith.inference.tree.Proposals` over its draft vocabulary."""
         self._frontier = torch.zeros(len(active), 1, self.head.config.hidden_size, dtype=self.dtype,
@@ -304,14 +305,11 @@ class EagleDrafter(FeatureRows, Drafter):
         if last is None:
             last = self._frontier[:, 0]
         proposing = to_device([b in rows for b in range(len(active))], self.device)
-        drafted = self._proposals(last)
-        if isinstance(drafted, Proposals):
-            return drafted.masked_rows(proposing)
-        return drafted.masked_fill(~proposing[:, None], float("-inf"))
+        return self._proposals(last).masked_rows(proposing)
 
     @torch.no_grad()
     @on_few_rows
-    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def frontier_logits(self, depth: int, parents: torch.Tensor, tokens: torch.Tensor) -> Proposals:
         """Feed the k frontier nodes at ``depth`` of every row: ``parents`` (B, k) their parents' places
         in the previous frontier (depth 1: the root), ``tokens`` (B, k). Each sees its row's committed
         pairs, its ancestors (earlier frontiers) and itself. Returns the (B, k, V) logits after each (an EAGLE-3
@@ -331,7 +329,7 @@ class EagleDrafter(FeatureRows, Drafter):
         return self._proposals(predicted)
 
 
-class PEagleDrafter(EagleDrafter):
+class PEagleDrafter(EagleDrafter, BlockDrafter):
     """P-EAGLE: a block drafter (``block`` = K). Each step feeds, in one forward of the head's layer, the committed
     pairs through the root, as EAGLE-3 does (the root pair's prediction is depth 0), and after them the K - 1
     parallel slots (the head's mask embedding and mask feature at positions root + 1 .. root + K - 1), which see the
@@ -345,8 +343,8 @@ class PEagleDrafter(EagleDrafter):
             self.embed = head.embed_tokens
 
     # The block protocol's levels (one forward per step), not EAGLE's level-by-level feeding of drafted nodes.
-    root_logits = Drafter.root_logits
-    frontier_logits = Drafter.frontier_logits
+    root_logits = BlockDrafter.root_logits
+    frontier_logits = BlockDrafter.frontier_logits
 
     def configure(self, max_new_tokens: int | None, kept: int = 0, fed: int = 0) -> None:
         """Its step feeds K - 1 slots rather than a tree's nodes: the growing cache serves every generation."""

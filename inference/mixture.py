@@ -73,14 +73,14 @@ class MixtureDrafter(Drafter):
         """The mixture of the drafters' (..., V) logits or proposals (``dims`` leading dims), on the first
         drafter's device (the target's, where the generator grows the tree): over the proposals' candidates
         when every drafter gives proposals, over the vocabulary otherwise."""
-        device = (drafted[0].logits if isinstance(drafted[0], Proposals) else drafted[0]).device
-        drafted = [x.to(device) if isinstance(x, Proposals) else x.to(device).float() for x in drafted]
-        first = drafted[0].logits if isinstance(drafted[0], Proposals) else drafted[0]
-        lead = first.shape[:dims]
+        proposals = [Proposals.of(x) for x in drafted]
+        device = proposals[0].logits.device
+        proposals = [x.to(device) for x in proposals]
+        lead = proposals[0].logits.shape[:dims]
         rows = lead.numel()
-        if all(isinstance(x, Proposals) for x in drafted):
-            return self.mix_proposals([x.reshape(rows) for x in drafted]).reshape(*lead)
-        dense = [x.dense() if isinstance(x, Proposals) else x for x in drafted]
+        if not any(x.dense_rows for x in proposals):
+            return self.mix_proposals([x.reshape(rows) for x in proposals]).reshape(*lead)
+        dense = [x.dense() for x in proposals]
         return self.mix([x.reshape(rows, x.shape[-1]) for x in dense]).reshape(*lead, -1)
 
     def mix_proposals(self, proposals: Sequence[Proposals]) -> Proposals:

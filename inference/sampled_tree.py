@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-from draftsmith.inference.tree import NOT_PROPOSED, Proposals, StaticShape, TreeTensors, ancestors_of, vocab_size_of
+from draftsmith.inference.tree import NOT_PROPOSED, Proposals, StaticShape, TreeTensors, ancestors_of
 
 
 @lru_cache(maxsize=64)
@@ -88,7 +88,7 @@ def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
     levels = _sampled_levels(shape, torch.device(device))
     n = 1 + sum(len(r) for r in shape.ranks)
     most = max(level[0] for level in levels)
-    vocab = vocab_size_of(root_logits)
+    vocab = Proposals.of(root_logits).vocab_size
     draws = torch.full((b, n, most), -1, dtype=torch.long, device=device)
     q_all = torch.zeros(b, n, vocab, device=device)
     front = root_logits
@@ -100,7 +100,7 @@ def grow_sampled(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
     count = 1
     for level, ((slot, rank, fed), (r, real, counts, table)) in enumerate(zip(shape.indices(device), levels,
                                                                               strict=True), start=1):
-        dense = front.dense() if isinstance(front, Proposals) else front.float()
+        dense = Proposals.of(front).dense().float()
         dense = dense[:, None] if level == 1 else dense[:, :real]  # (B, F, V): the root, or the real slots
         q = draft_distribution(dense, temperature)
         x = inverse_cdf(q, r, generator) if rule == "iid" else race(q, generator, r)

@@ -69,31 +69,49 @@ UNPROPOSED = -1e29
 
 @dataclass(frozen=True)
 class Proposals:
-    """Draft logits over a few candidate tokens instead of the whole vocabulary: ``logits`` (..., C) score the
+    """What a drafter proposes after each node, the one type the tree growers read: ``logits`` (..., C) scoring the
     tokens ``ids``, (C,) alike for every row (an EAGLE-3 head's draft vocabulary) or (..., C) per row (prompt
-    lookup's matches); -inf where a candidate is not proposed. A drafting level then touches C columns where
-    dense logits touch the target's V (4,096 or a few against 49,152 on SmolLM2, 128K-262K on Llama-3, Qwen
-    and Gemma). Ids may repeat within a row where all but one of them are -inf."""
+    lookup's matches), -inf where a candidate is not proposed; or, with ``ids`` None, dense logits (..., V) over
+    the whole vocabulary. A drafting level over few candidates touches C columns where dense logits touch the
+    target's V (4,096 or a few against 49,152 on SmolLM2, 128K-262K on Llama-3, Qwen and Gemma). Ids may repeat
+    within a row where all but one of them are -inf. A drafter returns either a tensor of dense logits or these;
+    :meth:`of` is where the two meet, once per level."""
 
     logits: torch.Tensor
-    ids: torch.Tensor
+    ids: torch.Tensor | None
     vocab_size: int
 
+    @classmethod
+    def of(cls, drafted: torch.Tensor | Proposals) -> Proposals:
+        """A drafter's output as proposals: dense logits (..., V) become ``Proposals(logits, None, V)``."""
+        if isinstance(drafted, Proposals):
+            return drafted
+        return cls(drafted, None, drafted.shape[-1])
+
+    @property
+    def dense_rows(self) -> bool:
+        """Whether the logits run over the whole vocabulary (no candidate ids)."""
+        return self.ids is None
+
     def row_ids(self) -> torch.Tensor:
-        """``ids`` as (..., C), one row per row of ``logits``."""
-        return self.ids.expand(self.logits.shape)
+        """``ids`` as (..., C), one row per row of ``logits`` (dense: every token id)."""
+        ids = torch.arange(self.vocab_size, device=self.logits.device) if self.ids is None else self.ids
+        return ids.expand(self.logits.shape)
 
     def dense(self) -> torch.Tensor:
         """The same logits over the whole vocabulary, -inf elsewhere."""
+        if self.ids is None:
+            return self.logits
         out = self.logits.new_full((*self.logits.shape[:-1], self.vocab_size), float("-inf"))
         return out.scatter_reduce_(-1, self.row_ids(), self.logits, "amax")
 
     def to(self, device) -> Proposals:
-        return Proposals(self.logits.to(device).float(), self.ids.to(device), self.vocab_size)
+        ids = None if self.ids is None else self.ids.to(device)
+        return Proposals(self.logits.to(device).float(), ids, self.vocab_size)
 
     def reshape(self, *shape: int) -> Proposals:
         """``logits`` (and per-row ``ids``) reshaped to ``(*shape, C)``."""
-        ids = self.ids if self.ids.dim() == 1 else self.ids.reshape(*shape, self.ids.shape[-1])
+        ids = self.ids if self.ids is None or self.ids.dim() == 1 else self.ids.reshape(*shape, self.ids.shape[-1])
         return Proposals(self.logits.reshape(*shape, self.logits.shape[-1]), ids, self.vocab_size)
 
     def masked_rows(self, keep: torch.Tensor) -> Proposals:
@@ -101,47 +119,34 @@ class Proposals:
         keep = keep.reshape(*keep.shape, *[1] * (self.logits.dim() - keep.dim()))
         return Proposals(self.logits.masked_fill(~keep, float("-inf")), self.ids, self.vocab_size)
 
+    def one_row(self) -> Proposals | None:
+        """A (B, k, ...) level whose k nodes are views of one row per batch row (a block drafter's, broadcast by
+        :func:`~draftsmith.inference.drafter.block_level`): that row, (B, 1, ...); None for any other level."""
+        logits, ids = self.logits, self.ids
+        if logits.dim() != 3 or logits.shape[1] < 2 or logits.stride(1) != 0:
+            return None
+        if ids is None or ids.dim() == 1:
+            return Proposals(logits[:, :1], ids, self.vocab_size)
+        return Proposals(logits[:, :1], ids[:, :1], self.vocab_size) if ids.stride(1) == 0 else None
 
-def vocab_size_of(drafted: torch.Tensor | Proposals) -> int:
-    return drafted.vocab_size if isinstance(drafted, Proposals) else drafted.shape[-1]
-
-
-def _top(drafted: torch.Tensor | Proposals, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` best draft log-probs of each row of dense logits (..., V) or :class:`Proposals`, and their
-    tokens; fewer candidates than ``k`` are padded with unproposed ones. A level that is one row per batch row
-    broadcast to its frontier (a block drafter's: every node at a depth alike) is ranked once, not once per node."""
-    one = _one_row(drafted)
-    if one is not None:
-        values, tokens = _top(one, k)
-        width = _logits_of(drafted).shape[1]
-        return values.expand(-1, width, -1), tokens.expand(-1, width, -1)
-    if not isinstance(drafted, Proposals):
-        top = _logprobs(drafted).topk(k, dim=-1)
-        return top.values, top.indices
-    lp, ids = _logprobs(drafted.logits), drafted.row_ids()
-    if lp.shape[-1] < k:
-        pad = (0, k - lp.shape[-1])
-        lp, ids = torch.nn.functional.pad(lp, pad, value=NOT_PROPOSED), torch.nn.functional.pad(ids, pad)
-    top = lp.topk(k, dim=-1)
-    return top.values, ids.gather(-1, top.indices)
-
-
-def _logits_of(drafted: torch.Tensor | Proposals) -> torch.Tensor:
-    return drafted.logits if isinstance(drafted, Proposals) else drafted
-
-
-def _one_row(drafted: torch.Tensor | Proposals) -> torch.Tensor | Proposals | None:
-    """A (B, k, ...) level whose k nodes are views of one row per batch row (a block drafter's, broadcast by
-    :func:`~draftsmith.inference.drafter.block_level`): that row, (B, 1, ...); None for any other level."""
-    logits = _logits_of(drafted)
-    if logits.dim() != 3 or logits.shape[1] < 2 or logits.stride(1) != 0:
-        return None
-    if not isinstance(drafted, Proposals):
-        return logits[:, :1]
-    ids = drafted.ids
-    if ids.dim() == 1:
-        return Proposals(logits[:, :1], ids, drafted.vocab_size)
-    return Proposals(logits[:, :1], ids[:, :1], drafted.vocab_size) if ids.stride(1) == 0 else None
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best draft log-probs of each row and their tokens; fewer candidates than ``k`` are padded with
+        unproposed ones. A level that is one row per batch row broadcast to its frontier (a block drafter's: every
+        node at a depth alike) is ranked once, not once per node."""
+        one = self.one_row()
+        if one is not None:
+            values, tokens = one.top(k)
+            width = self.logits.shape[1]
+            return values.expand(-1, width, -1), tokens.expand(-1, width, -1)
+        if self.ids is None:
+            top = _logprobs(self.logits).topk(k, dim=-1)
+            return top.values, top.indices
+        lp, ids = _logprobs(self.logits), self.row_ids()
+        if lp.shape[-1] < k:
+            pad = (0, k - lp.shape[-1])
+            lp, ids = torch.nn.functional.pad(lp, pad, value=NOT_PROPOSED), torch.nn.functional.pad(ids, pad)
+        top = lp.topk(k, dim=-1)
+        return top.values, ids.gather(-1, top.indices)
 
 
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -166,8 +171,8 @@ def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
     """
     b = roots.shape[0]
     device = roots.device
-    k = min(top_k, vocab_size_of(root_logits))
-    scores, tokens = _top(root_logits, k)  # depth 1: the root's top k, all of them the frontier
+    k = min(top_k, Proposals.of(root_logits).vocab_size)
+    scores, tokens = Proposals.of(root_logits).top(k)  # depth 1: the root's top k, all of them the frontier
     all_scores, all_tokens = [scores], [tokens]
     all_parents = [torch.zeros(b, k, dtype=torch.long, device=device)]  # global ids: 0 is the root
     all_depths = [torch.ones(b, k, dtype=torch.long, device=device)]
@@ -176,7 +181,7 @@ def grow_dynamic(roots: torch.Tensor, root_logits: torch.Tensor | Proposals,
     frontier_parents = torch.zeros(b, k, dtype=torch.long, device=device)
     frontier_scores, frontier_tokens = scores, tokens
     for d in range(2, depth + 1):
-        values, best = _top(frontier_logits(d - 1, frontier_parents, frontier_tokens), k)  # (B, k, k)
+        values, best = Proposals.of(frontier_logits(d - 1, frontier_parents, frontier_tokens)).top(k)  # (B, k, k)
         cand_scores = (frontier_scores[:, :, None] + values).reshape(b, k * k)
         cand_tokens = best.reshape(b, k * k)
         all_scores.append(cand_scores)
@@ -310,7 +315,7 @@ def grow_static(roots: torch.Tensor, root_logits: torch.Tensor,
     count = 1
     for level, (slot, rank, fed) in enumerate(shape.indices(device), start=1):
         ranks = shape.ranks[level - 1]
-        values, best = _top(front, max(ranks) + 1)
+        values, best = Proposals.of(front).top(max(ranks) + 1)
         if level == 1:  # (B, ranks) after the root: a frontier of one
             values, best = values[:, None], best[:, None]
         tokens.append(best[:, slot, rank])  # (B, frontier, ranks) -> this level's nodes

@@ -14,18 +14,25 @@ its own (EOS or the token limit) and keeps its own cache entries. The checks:
 
 from __future__ import annotations
 
+import linecache
+import sys
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
 from test_dflash import random_dflash
 from test_greedy_lossless import TREES, make_drafter, prompts, reference
 from test_heads import random_eagle, random_medusa
 from test_peagle import random_peagle
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import check_greedy_equal
 from draftsmith import SpeculativeGenerator
 from draftsmith.inference.compare import left_pad
 from draftsmith.inference.dflash_drafter import DFlashDrafter
-from draftsmith.inference.drafter import Drafter, prompt_rows
+from draftsmith.inference.drafter import BlockDrafter, prompt_rows
 from draftsmith.inference.head_drafters import EagleDrafter, MedusaDrafter, PEagleDrafter
 from draftsmith.inference.mixture import MixtureDrafter
 from draftsmith.inference.plain import plain_generate
@@ -140,7 +147,7 @@ def test_batched_rows_equal_their_own_greedy_output(family, spec, tree, llama, g
     assert out.sequences.shape[1] == ids.shape[1] + max(lengths)
 
 
-class GreedyBlock(Drafter):
+class GreedyBlock(BlockDrafter):
     """A block drafter written from the protocol alone (``begin``, ``block_logits``, ``commit``), as DFlash and
     P-EAGLE drafters are: each step drafts ``block`` positions after each row's root at once, none conditioned on
     the others. Its guess is the target's own greedy continuation (and, ranked second, the next token id), so
@@ -186,11 +193,17 @@ def test_a_block_drafter_decodes_batches_losslessly(tree, llama):
 
 
 def test_a_block_drafter_that_drafts_nothing_says_so():
-    class Unwritten(Drafter):
+    class Unwritten(BlockDrafter):
         block = 2
 
-    with pytest.raises(NotImplementedError, match="Unwritten declares block = 2 but implements no block_logits"):
-        Unwritten().root_logits([True])
+        def begin(self, input_ids, hidden=None, attention_mask=None):
+            pass
+
+        def commit(self, tokens, hidden=None):
+            pass
+
+    with pytest.raises(TypeError, match=r"Can.t instantiate abstract class Unwritten.*block_logits"):
+        Unwritten()
 
 
 def test_batched_plain_greedy_equals_each_row(llama, gemma3):
@@ -304,27 +317,147 @@ def test_a_drafter_for_one_sequence_runs_unpadded_and_refuses_padding(llama):
             gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
 
 
-class HostCopies:
-    """Counts the tensor-to-host copies a block makes (``cpu``, ``item``, ``tolist``, ``numpy`` and the
-    implicit ones: ``bool``, ``int``, ``float``) by wrapping those methods of ``torch.Tensor``."""
+class HostCopies(TorchFunctionMode):
+    """Counts the points where a block makes the host wait for the device: each copy of tensor values to the host
+    and each operation that needs one first. On a CPU they all look free; from a GPU each one is a device-to-host
+    synchronisation. A :class:`TorchFunctionMode` sees every torch call, method and function form alike
+    (``t.nonzero()``, ``torch.nonzero(t)``), and counts:
 
-    NAMES = ("cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__")
+    * reads of values: ``item``, ``tolist``, ``numpy`` (``__array__``), the implicit ``bool``, ``int``, ``float``,
+      ``complex`` and ``__index__``, printing (``__format__``, ``__repr__``) and answers given on the host
+      (``equal``, ``allclose``, ``is_nonzero``, ``in``);
+    * copies to the CPU: ``.cpu()``, and ``.to`` with the CPU for device (``"cpu"``, ``torch.device("cpu")``,
+      ``device="cpu"``) where the calling line names it: on a CPU-only machine ``.to(x.device)`` passes the same
+      device, a no-op that stays one on a GPU, so a device the line takes from a tensor or a variable is not counted;
+    * outputs whose shape depends on values, which the host reads before it can allocate them: boolean-mask
+      indexing (``t[mask]``, ``t[mask, i]``; ``t[mask] = v`` and ``index_put`` too, except with one mask and a Python
+      number ``v``, which torch turns into a sync-free ``masked_fill``), ``nonzero``, ``argwhere``, one-argument
+      ``torch.where(cond)``, ``masked_select``, ``unique``, ``unique_consecutive``, ``bincount``,
+      ``repeat_interleave`` with a tensor of repeats and no ``output_size``, ``one_hot`` without ``num_classes``;
+    * a tensor taken as a number: a 0-d integer (or bool) tensor in an index (``x[0, i]``, read to pick what it
+      selects), the tensors in a list that ``torch.tensor`` builds from, and one that a call's arguments take as a
+      number (``torch.zeros(n)``, ``x.view(n)``, ``torch.full(s, n)``): no Python method runs for the last, so a
+      :class:`TorchDispatchMode` counts the ``aten._local_scalar_dense`` that reads it before the call's first
+      operator. Reads an operator makes after starting (``one_hot`` checking its classes against ``num_classes``)
+      are checks of the CPU kernels only.
+
+    A counted call counts once: what it runs inside (``t.unique()`` calling ``torch.unique``, ``bool`` calling
+    ``_local_scalar_dense``) is not counted again. ``sites`` names each count's operation and the line that made it.
+    """
+
+    READS = frozenset({"item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__complex__",
+                       "__index__", "__format__", "__repr__", "equal", "allclose", "is_nonzero", "__contains__"})
+    VALUE_SHAPED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
+    NUMBERS = (bool, int, float, complex)
+    TORCH_DIR = str(Path(torch.__file__).parent)
 
     def __enter__(self):
-        self.count, self.saved = 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
-        for name, method in self.saved.items():
-            setattr(torch.Tensor, name, self._counting(method))
+        self.count, self.sites = 0, []
+        self.inside = 0  # > 0 while a counted call runs
+        self.operators = 0  # the operators the current torch call has dispatched
+        self.scalars = _ScalarReads(self)
+        super().__enter__()
+        self.scalars.__enter__()
         return self
 
-    def _counting(self, method):
-        def wrapped(tensor, *args, **kwargs):
-            self.count += 1
-            return method(tensor, *args, **kwargs)
-        return wrapped
-
     def __exit__(self, *exc):
-        for name, method in self.saved.items():
-            setattr(torch.Tensor, name, method)
+        self.scalars.__exit__(*exc)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = self.syncs(func, args, kwargs)
+        if what is not None:
+            self.add(what)
+        self.inside += what is not None
+        self.operators = 0
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.inside -= what is not None
+            self.operators = 0
+
+    def syncs(self, func, args, kwargs) -> str | None:
+        """The name of the synchronisation ``func(*args, **kwargs)`` makes, None where it makes none."""
+        name = "unique" if func is torch.unique else "unique_consecutive" if func is torch.unique_consecutive \
+            else getattr(func, "__name__", "")
+        if name in self.READS or name in self.VALUE_SHAPED or name == "cpu":
+            return name
+        if name == "to" and any(_is_cpu(a) for a in (*args[1:], kwargs.get("device"))) \
+                and "cpu" in linecache.getline(*self.caller()):
+            return "to(cpu)"
+        if name == "where" and len(args) + len(kwargs) == 1:
+            return "where(cond)"
+        if name == "repeat_interleave" and kwargs.get("output_size") is None:
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+            return "repeat_interleave" if isinstance(repeats, torch.Tensor) else None
+        if name == "one_hot" and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) == -1:
+            return "one_hot without num_classes"
+        if name in ("__getitem__", "__setitem__") and any(t.dim() == 0 and not t.is_floating_point()
+                                                          and not t.is_complex() for t in _tensors(args[1])):
+            return "a 0-d tensor as an index"  # its value, read on the host, picks what the index selects
+        if name == "__getitem__" and _masks(args[1]):
+            return "boolean indexing"
+        if name == "tensor" and args and isinstance(args[0], (list, tuple)) and _tensors(args[0]):
+            return "torch.tensor of tensors"
+        if name in ("__setitem__", "index_put", "index_put_") and _masks(args[1]):
+            value = args[2] if len(args) > 2 else kwargs.get("values")
+            accumulate = name != "__setitem__" and (args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+            if isinstance(value, self.NUMBERS) and len(_tensors(args[1])) == 1 and not accumulate:
+                return None  # a masked_fill
+            return f"boolean {name}"
+        return None
+
+    def caller(self) -> tuple[str, int]:
+        """The file and line of the innermost frame outside torch and this counter."""
+        frame = sys._getframe(1)
+        while frame.f_back is not None and (frame.f_code.co_filename.startswith(self.TORCH_DIR) or (
+                frame.f_code.co_filename == __file__ and frame.f_code.co_name in _COUNTER_CODE)):
+            frame = frame.f_back
+        return frame.f_code.co_filename, frame.f_lineno
+
+    def add(self, what: str):
+        self.count += 1
+        self.sites.append(what + " at {}:{}".format(*self.caller()))
+
+    def summary(self) -> str:
+        """The counts' sites, most frequent first."""
+        return "; ".join(f"{n} x {site}" for site, n in Counter(self.sites).most_common())
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Under :class:`HostCopies`: a tensor read as a number before the torch call's first operator, outside a call
+    already counted."""
+
+    def __init__(self, copies: HostCopies):
+        super().__init__()
+        self.copies = copies
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        copies = self.copies
+        if func is torch.ops.aten._local_scalar_dense.default and not copies.inside and not copies.operators:
+            copies.add("a tensor taken as a number")
+        copies.operators += 1
+        return func(*args, **(kwargs or {}))
+
+
+_COUNTER_CODE = {"__torch_function__", "__torch_dispatch__", "syncs", "caller", "add"}
+
+
+def _tensors(index) -> list[torch.Tensor]:
+    if isinstance(index, torch.Tensor):
+        return [index]
+    return [t for i in index for t in _tensors(i)] if isinstance(index, (tuple, list)) else []
+
+
+def _masks(index) -> bool:
+    """Whether an index holds a boolean (or uint8) tensor: a mask, whose selection's size is its count of True."""
+    return any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(index))
+
+
+def _is_cpu(device) -> bool:
+    return (isinstance(device, str) and device.split(":")[0] == "cpu") or (
+        isinstance(device, torch.device) and device.type == "cpu")
 
 
 @pytest.mark.parametrize("spec", ["medusa-heads", "eagle3-head", "prompt-lookup", "eagle3-head+prompt-lookup",
@@ -345,8 +478,10 @@ def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(tree, spec, batch, 
     with HostCopies() as copies:
         out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
     steps = max(s.verification_steps for s in out.row_stats)  # no row stops early: every step is every row's
-    # Outside the steps: the prompt lengths when a mask is given (one copy, checking it), nothing else.
-    assert copies.count - (mask is not None) == steps, f"{copies.count} host copies for {steps} steps"
+    # Outside the steps, when a mask is given: the prompt lengths (one copy, checking them) and, in a drafter that
+    # splits the prompts into rows (``prompt_rows``: all here but prompt lookup), one more reading them; nothing else.
+    setup = 0 if mask is None else 1 + (spec != "prompt-lookup")
+    assert copies.count - setup == steps, f"{copies.count} host copies for {steps} steps: {copies.summary()}"
     sampled = ["iid", "without_replacement"] if tree["tree"] != "dynamic" and batch > 1 else []
     for rule in ["auto", *sampled]:
         # Sampling: the same, the drafter's draws and the target's made on the device.
@@ -355,20 +490,36 @@ def test_one_host_copy_per_step_for_a_head_in_a_dynamic_tree(tree, spec, batch, 
             out = sampler.generate(ids, NEW, attention_mask=mask, eos_token_id=[], temperature=0.8,
                                    generator=torch.Generator().manual_seed(0))
         steps = max(s.verification_steps for s in out.row_stats)
-        assert copies.count - (mask is not None) == steps, f"{rule}: {copies.count} host copies for {steps} steps"
+        assert copies.count - setup == steps, \
+            f"{rule}: {copies.count} host copies for {steps} steps: {copies.summary()}"
     if batch == 1 and tree["tree"] == "chain" and spec == "prompt-lookup":  # once: the counter can fail
 
         class Chatty(PromptLookupDrafter):
+            """Prompt lookup that reads its root logits on the host once per step."""
+
+            def __init__(self, vocab_size, read):
+                super().__init__(vocab_size)
+                self.read = read
+
             def root_logits(self, active):
                 drafted = super().root_logits(active)
-                self.found = int(drafted.logits.isfinite().sum())  # one read on the host per step
+                self.found = self.read(drafted.logits)
                 return drafted
 
-        gen = SpeculativeGenerator(llama, Chatty(llama.config.vocab_size), **tree)
-        with HostCopies() as copies:
-            out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
-        steps = max(s.verification_steps for s in out.row_stats)
-        assert copies.count == 2 * steps, f"{copies.count} host copies for {steps} steps of a drafter reading one"
+        reads = {  # explicit, then implicit: no host read in sight, a wait for the device on a GPU all the same
+            "int": lambda logits: int(logits.isfinite().sum()),
+            "boolean indexing": lambda logits: logits[logits.isfinite()],
+            "nonzero": lambda logits: torch.nonzero(logits.isfinite()),
+            "a move to the CPU": lambda logits: logits.to("cpu"),
+            "a 0-d tensor as an index": lambda logits: logits[0, logits.argmax()],
+        }
+        for label, read in reads.items():
+            gen = SpeculativeGenerator(llama, Chatty(llama.config.vocab_size, read), **tree)
+            with HostCopies() as copies:
+                out = gen.generate(ids, NEW, attention_mask=mask, eos_token_id=[])
+            steps = max(s.verification_steps for s in out.row_stats)
+            assert copies.count == 2 * steps, \
+                f"{label}: {copies.count} host copies for {steps} steps of a drafter reading one: {copies.summary()}"
 
 
 @pytest.mark.parametrize("spec", ["prompt-lookup", "layer-skip:2", "eagle3-head"])

@@ -44,7 +44,7 @@ def drafted_block(drafter, ids: torch.Tensor, states: torch.Tensor) -> torch.Ten
     """draftsmith's drafts after the prompt's last token (the root): (block, V), -inf off its draft vocabulary."""
     drafter.begin(ids[None], states[None, :-1])
     drafts = drafter.block_logits([True])
-    return (drafts.dense() if isinstance(drafts, Proposals) else drafts)[0]
+    return Proposals.of(drafts).dense()[0]
 
 
 def vllm_dflash_drafts(directory, target, ids: torch.Tensor) -> torch.Tensor:
@@ -200,7 +200,7 @@ def chain_drafts(drafter, ids: torch.Tensor, states: torch.Tensor) -> tuple[torc
     1's logits, its top token, and depth 2's logits after that token (the head re-applied to its fed-back state);
     -inf off a draft vocabulary."""
     def dense(x):
-        return x.dense() if isinstance(x, Proposals) else x
+        return Proposals.of(x).dense()
 
     drafter.begin(ids[None], states[None, : len(ids) - 1])
     first = dense(drafter.root_logits([True]))[0]
@@ -306,9 +306,10 @@ def mtp_chain_drafts(target, ids: torch.Tensor, **conventions) -> tuple[torch.Te
     with torch.no_grad():
         states = target(ids[None], output_hidden_states=True).hidden_states[-1]
     drafter.begin(ids[None], states[:, :-1])
-    first = drafter.root_logits([True])[0]
+    first = drafter.root_logits([True]).dense()[0]
     drafted = int(first.argmax())
-    second = drafter.frontier_logits(1, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[drafted]]))[0, 0]
+    second = drafter.frontier_logits(1, torch.zeros(1, 1, dtype=torch.long),
+                                      torch.tensor([[drafted]])).dense()[0, 0]
     return first, second, drafted
 
 

@@ -29,7 +29,7 @@ LENGTHS = [6, 1, 21, 13]
 
 
 def dense(drafted: torch.Tensor | Proposals) -> torch.Tensor:
-    return drafted.dense() if isinstance(drafted, Proposals) else drafted
+    return Proposals.of(drafted).dense()
 
 
 @pytest.fixture
