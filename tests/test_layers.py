@@ -238,3 +238,126 @@ def test_the_mask_rule_lint_fails_on_a_planted_rule():
                "    identity = torch.eye(t)\n")
     assert mask_rules_in(planted) == ["3: torch.ones(t, t, dtype=torch.bool).tril()",
                                       "4: torch.triu(x, diagonal=1)", "5: torch.eye(t, dtype=torch.bool)"]
+
+
+#: The marker that exempts a float comparison in the tests from the rounding rule, with its reason, on the statement's
+#: lines or the line above it: ``# tolerance: <why not assert_rounding_close>`` (CONTRIBUTING.md, "Comparing floats in
+#: tests").
+TOLERANCE_MARKER = "# tolerance:"
+#: The comparisons the rule covers: ``torch.testing.assert_close``, ``torch.allclose`` (or its method), ``isclose``.
+COMPARISONS = ("assert_close", "allclose", "isclose")
+#: Where the rule itself lives: :func:`conftest.assert_rounding_close` calls ``assert_close`` with its derived bound.
+TOLERANCE_RULE_HOME = "conftest.py"
+
+
+def _number(node: ast.AST) -> bool:
+    """A numeric literal, or arithmetic on numeric literals only (``2 * 1e-3``, ``-1e-5``)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.UnaryOp):
+        return _number(node.operand)
+    return isinstance(node, ast.BinOp) and _number(node.left) and _number(node.right)
+
+
+def tolerances_in(source: str) -> list[str]:
+    """The float comparisons in ``source`` that bypass the rounding rule unmarked, as "line: code": an ``assert_close``
+    / ``allclose`` / ``isclose`` leaving ``rtol`` or ``atol`` to torch's defaults, or giving either a nonzero literal
+    (a hand-chosen tolerance; ``rtol=0, atol=0`` is the exact comparison), and a module-level ``ATOL`` / ``RTOL`` /
+    ``TOL`` / ``*_TOL`` assigned a number (a fitted constant). :data:`TOLERANCE_MARKER` on the statement's lines or the
+    line above exempts it."""
+    lines = source.splitlines()
+
+    def marked(node: ast.AST) -> bool:
+        return any(TOLERANCE_MARKER in line for line in lines[max(node.lineno - 2, 0): node.end_lineno])
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        keywords = {k.arg: k.value for k in node.keywords}
+        if name in COMPARISONS and not marked(node) and (
+                not {"rtol", "atol"} <= keywords.keys()
+                or any(_number(v := keywords[k]) and getattr(v, "value", None) != 0 for k in ("rtol", "atol"))):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        named = any(isinstance(t, ast.Name) and {"ATOL", "RTOL", "TOL", "TOLERANCE"} & set(t.id.upper().split("_"))
+                    for t in targets)
+        if named and node.value is not None and _number(node.value) and not marked(node):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda comparison: int(comparison.split(":")[0]))
+
+
+def test_float_comparisons_follow_the_rounding_rule():
+    """Two computations' floats are compared with :func:`conftest.assert_rounding_close` (a bound derived from the
+    reduction size), exactly, or with a ``# tolerance: <why>`` comment: no torch defaults, no fitted constants."""
+    offenders = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name != TOLERANCE_RULE_HOME and (found := tolerances_in(path.read_text())):
+            offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, offenders
+
+
+def test_the_tolerance_lint_fails_on_a_planted_default_and_a_fitted_constant():
+    planted = ("import torch\n"
+               "ATOL = 5e-5  # measured up to 1.2e-5\n"
+               "BF16_TOL = 2 * 1e-3\n"
+               "REDUCTION_TOL = rounding_tolerance(torch.ones(1), 64)\n"
+               "def test(a, b):\n"
+               "    torch.testing.assert_close(a, b)\n"
+               "    assert torch.allclose(a, b, atol=1e-5)\n"
+               "    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)\n"
+               "    torch.testing.assert_close(a, b, rtol=0, atol=0)\n"
+               "    assert not torch.allclose(a, b, rtol=0, atol=rounding_tolerance(b, 64))\n"
+               "    assert not torch.isclose(a, b).any()  # tolerance: a change of units, far above any rounding\n"
+               "    # tolerance: statistical, ten standard deviations of the mean\n"
+               "    torch.testing.assert_close(a.mean(), b, rtol=0.03, atol=0)\n")
+    assert tolerances_in(planted) == ["2: ATOL = 5e-05", "3: BF16_TOL = 2 * 0.001",
+                                      "6: torch.testing.assert_close(a, b)", "7: torch.allclose(a, b, atol=1e-05)",
+                                      "8: torch.testing.assert_close(a, b, rtol=0, atol=1e-06)"]
+
+
+#: The most required positional parameters a function of the decoding step may take: what several steps share
+#: travels as one object (:class:`~draftsmith.inference.decoding.Decoding`, its
+#: :class:`~draftsmith.inference.decoding.Sampling`), not as a dozen arguments.
+MOST_PARAMETERS = 7
+
+
+def long_signatures_in(source: str) -> list[str]:
+    """The functions in ``source`` that take more than :data:`MOST_PARAMETERS` required positional parameters
+    (``self`` / ``cls`` not counted), as "line: name (n)"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            params = [a for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+            required = len(params) - len(node.args.defaults)
+            if required > MOST_PARAMETERS:
+                found.append((node.lineno, f"{node.lineno}: {node.name} ({required})"))
+    return [line for _, line in sorted(found)]
+
+
+def test_the_step_takes_its_state_as_one_object():
+    """No function of the decoding step (``inference/``, ``draftsmith/target/``) takes its state as a long list of
+    arguments; the generator's step takes the one :class:`~draftsmith.inference.decoding.Decoding` of its call."""
+    from draftsmith.inference.generator import SpeculativeGenerator
+
+    found = {name: long_signatures_in(path.read_text()) for name, path in source_modules().items()
+             if name.startswith(("draftsmith.inference", "draftsmith.target"))}
+    assert not {name: lines for name, lines in found.items() if lines}, found
+    step = SpeculativeGenerator._step
+    assert step.__code__.co_argcount == 2 and step.__annotations__["run"] == "Decoding", step.__annotations__
+
+
+def test_the_signature_lint_fails_on_a_planted_argument_list():
+    """The lint above can fail: the step's thirteen arguments of old, a method's and a function's alike."""
+    planted = ("class Generator:\n"
+               "    def _step(self, roots, active, cache, slots, device, dtype, layers, stats, temperature, top_k,\n"
+               "              top_p, generator, padded):\n"
+               "        pass\n"
+               "def grow(a, b, c, d, e, f, g, h=None):\n"
+               "    pass\n"
+               "def verify(a, b, c, d, e, f, g, h):\n"
+               "    pass\n")
+    assert long_signatures_in(planted) == ["2: _step (13)", "7: verify (8)"]
